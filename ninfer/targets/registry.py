@@ -1,0 +1,74 @@
+"""The closed registry of exact packages. Nothing outside this table loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ninfer.targets.package import Package
+from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6_27b import PACKAGE as QWEN3_6_27B
+from ninfer.targets.qwen3_6_35b_a3b import PACKAGE as QWEN3_6_35B_A3B
+from ninfer.targets.qwen3_6_tiny import PACKAGE as QWEN3_6_TINY
+from ninfer.targets.qwen3_6_tiny_moe import PACKAGE as QWEN3_6_TINY_MOE
+from ninfer.targets.qwen3_8_27b import PACKAGE as QWEN3_8_27B
+
+PACKAGES: dict[str, Package] = {
+    p.name: p for p in (QWEN3_6_27B, QWEN3_6_35B_A3B, QWEN3_8_27B, QWEN3_6_TINY, QWEN3_6_TINY_MOE)
+}
+
+
+class PackageMismatch(ValueError):
+    """An artifact or checkpoint does not match any registered package exactly."""
+
+
+def get_package(name: str) -> Package:
+    try:
+        return PACKAGES[name]
+    except KeyError:
+        raise PackageMismatch(
+            f"unknown package {name!r}; registered packages: {', '.join(PACKAGES)}"
+        ) from None
+
+
+def package_for_hf_config(cfg: dict[str, Any]) -> Package:
+    """The one package whose checkpoints carry this config.json, or PackageMismatch naming why."""
+    model_type = cfg.get("model_type", "")
+    base_type = model_type.removesuffix("_text")
+    try:
+        if base_type.startswith("qwen4_exp"):  # Qwen3.8 reuses the qwen3_5 config fields
+            text = dict(cfg.get("text_config", cfg), model_type="qwen3_5_text")
+            variant = Variant.from_hf_config({**cfg, "model_type": "qwen3_5", "text_config": text})
+        else:
+            variant = Variant.from_hf_config(cfg)
+    except ValueError as e:
+        raise PackageMismatch(f"config.json: {e}") from None
+    candidates = [p for p in PACKAGES.values() if p.hf_model_type.startswith(base_type.split("_moe")[0])]
+    for p in candidates:
+        if p.variant.dims() == _with_defaults(variant, p).dims():
+            return p
+    best = min(PACKAGES.values(), key=lambda p: len(p.variant.diff(_with_defaults(variant, p))))
+    diffs = best.variant.diff(_with_defaults(variant, best))
+    raise PackageMismatch(
+        f"config.json (model_type {model_type!r}) matches no registered package; closest is "
+        f"{best.name!r}, which differs in: " + "; ".join(diffs or [f"model_type != {best.hf_model_type!r}"])
+    )
+
+
+def check_dims(package: Package, dims: dict[str, Any], source: str) -> None:
+    """Refuse an artifact whose stored dims are not exactly the package's."""
+    try:
+        stored = Variant.from_dims(dims)
+    except (TypeError, ValueError, KeyError) as e:
+        raise PackageMismatch(f"{source}: dims are not readable as {package.name!r} dims: {e}") from None
+    diffs = package.variant.diff(stored)
+    if diffs:
+        raise PackageMismatch(
+            f"{source}: dims do not match package {package.name!r}: " + "; ".join(diffs)
+        )
+
+
+def _with_defaults(v: Variant, p: Package) -> Variant:
+    """Fields a config.json does not carry (special ids) come from the package."""
+    d = v.dims()
+    d["special"] = p.variant.dims()["special"]
+    return Variant.from_dims(d)
