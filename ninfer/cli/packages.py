@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
             f"{len(v.attention_layers)} attention), vocab {v.vocab_size}, {mlp}"
         )
         print(
-            f"  attention {v.num_attention_heads}q:{v.num_kv_heads}kv x {v.head_dim} (rotary {v.rotary_dim}), "
+            f"  attention {v.num_attention_heads}q:{v.num_kv_heads}kv x {v.head_dim} "
+            f"(rotary {v.rotary_dim}), "
             f"GDN {v.linear_num_key_heads}k:{v.linear_num_value_heads}v x {v.linear_key_head_dim}, "
             f"MTP layers {v.mtp_num_hidden_layers}, vision {'yes' if v.vision else 'no'}"
         )

@@ -1,0 +1,122 @@
+"""`ninfer generate ARTIFACT PROMPT`: one request through the public Engine, streamed to the terminal.
+
+The prompt goes through the package's chat template as one user message (thinking on unless
+`--no-think`); `--raw` sends it as plain text instead. Reasoning text is printed dimmed when stdout is
+a terminal. `--json` prints one machine-readable result instead of streaming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ninfer.cli.common import add_engine_flags, fail
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("artifact", help="a .ninfer file")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--no-think", action="store_true", help="chat template with enable_thinking=false")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's generation config")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument(
+        "--json", action="store_true", help='print {"text", "token_ids", "finish_reason", "usage"}'
+    )
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def build_request(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+    from ninfer import GenerationRequest
+
+    def pick(flag: Any, key: str, fallback: Any) -> Any:
+        return flag if flag is not None else defaults.get(key, fallback)
+
+    sampling = dict(
+        max_tokens=args.max_tokens,
+        temperature=pick(args.temperature, "temperature", 1.0),
+        top_p=pick(args.top_p, "top_p", 1.0),
+        top_k=pick(args.top_k, "top_k", 0),
+        min_p=pick(args.min_p, "min_p", 0.0),
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.raw:
+        return GenerationRequest(prompt=args.prompt, **sampling)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    return GenerationRequest(
+        messages=messages, chat_template_kwargs={"enable_thinking": not args.no_think}, **sampling
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ninfer import Engine, EngineConfig, GenerationDelta, GenerationResult, NInferError
+
+    config = EngineConfig(
+        max_concurrency=1, queue_capacity=1, device=args.device, dtype=args.dtype,
+        max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, warmup=False,
+    )
+    try:
+        engine = Engine(args.artifact, config)
+    except (OSError, ValueError, NInferError) as e:
+        return fail(str(e))
+    with engine:
+        try:
+            request = build_request(args, engine.frontend.generation_defaults)
+            handle = engine.submit(request)
+        except (ValueError, NInferError) as e:
+            return fail(str(e))
+        dim = sys.stdout.isatty()
+        result: GenerationResult | None = None
+        with handle:
+            for event in handle:
+                if isinstance(event, GenerationDelta) and not args.json:
+                    if event.reasoning_text:
+                        reasoning = event.reasoning_text
+                        sys.stdout.write(f"{DIM}{reasoning}{RESET}" if dim else reasoning)
+                    if event.text:
+                        sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, GenerationResult):
+                    result = event
+    assert result is not None
+    if result.finish_reason == "error":
+        return fail(str(result.error))
+    if args.json:
+        out = {
+            "text": result.text,
+            "reasoning_text": result.reasoning_text,
+            "tool_calls": [
+                {"index": c.index, "id": c.id, "name": c.name, "arguments": c.arguments}
+                for c in result.tool_calls
+            ],
+            "token_ids": list(result.token_ids),
+            "finish_reason": result.finish_reason,
+            "usage": {
+                "prompt_tokens": result.usage.prompt_tokens,
+                "completion_tokens": result.usage.completion_tokens,
+                "total_tokens": result.usage.total_tokens,
+            },
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        for call in result.tool_calls:
+            print(f"\n[tool call] {call.name}({call.arguments})")
+        print()
+        print(f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
+              f"{result.usage.completion_tokens} generated tokens]", file=sys.stderr)
+    return 0
