@@ -1,0 +1,102 @@
+"""Reference sparse MoE block of Qwen3.6-35B-A3B (HF `Qwen3_5MoeSparseMoeBlock` semantics).
+
+Routing: fp32 softmax over all experts, top-k, renormalised to sum 1, weights cast to the model dtype.
+Experts are fused SwiGLUs: gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I].
+The reference loops over the experts that were hit (host sync; a fast kernel aligns on device) and
+accumulates the weighted expert outputs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops.mlp import swiglu, swiglu_mlp
+
+__all__ = ["moe_route", "moe_experts", "moe_block"]
+
+
+def moe_route(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax router: x [N, H], router_w [E, H] -> (weights [N, k] x.dtype, expert_ids [N, k] long).
+
+    Logits are formed in the model dtype as HF does (so ties break identically), softmax in fp32.
+    """
+    logits = F.linear(x, router_w.to(x.dtype))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_probs, expert_ids = torch.topk(probs, top_k, dim=-1)
+    top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+    return top_probs.to(x.dtype), expert_ids
+
+
+def _moe_experts_fp32(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted sum of the routed experts' outputs, accumulated in fp32: [N, H] fp32."""
+    dtype = x.dtype
+    intermediate = down.shape[-1]
+    out = x.new_zeros(x.shape, dtype=torch.float32)
+    for expert in torch.unique(expert_ids).tolist():
+        token_idx, slot = torch.where(expert_ids == expert)
+        projected = F.linear(x[token_idx], gate_up[expert].to(dtype))
+        hidden = swiglu(projected[:, :intermediate], projected[:, intermediate:])
+        expert_out = F.linear(hidden, down[expert].to(dtype))
+        out = out.index_add(0, token_idx, expert_out.float() * weights[token_idx, slot, None].float())
+    return out
+
+
+def moe_experts_gathered(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """`moe_experts` with every shape static and no host sync (graph-capturable decode path).
+
+    Gathers each token's k experts' weights ([N, k, 2I, H]): memory grows with N, so it serves the
+    few-token decode unit; prefill keeps the per-expert loop.
+    """
+    intermediate = down.shape[-1]
+    projected = torch.einsum("nh,nkih->nki", x, gate_up[expert_ids].to(x.dtype))
+    hidden = swiglu(projected[..., :intermediate], projected[..., intermediate:])
+    expert_out = torch.einsum("nki,nkhi->nkh", hidden.to(x.dtype), down[expert_ids].to(x.dtype))
+    return (expert_out.float() * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]) -> [N, H] in x's dtype."""
+    return _moe_experts_fp32(x, weights, expert_ids, gate_up, down).to(x.dtype)
+
+
+def moe_block(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_gate_w: torch.Tensor,
+    shared_up_w: torch.Tensor,
+    shared_down_w: torch.Tensor,
+    shared_expert_gate_w: torch.Tensor,
+    top_k: int,
+    graph_safe: bool = False,
+) -> torch.Tensor:
+    """Routed experts + sigmoid(x @ shared_expert_gate_w.T) * shared SwiGLU expert: x [N, H] -> [N, H].
+
+    ``graph_safe`` uses the gathered expert path (no host sync) for few-token decode units.
+    """
+    weights, expert_ids = moe_route(x, router_w, top_k)
+    experts = moe_experts_gathered if graph_safe else _moe_experts_fp32
+    routed = experts(x, weights, expert_ids, gate_up, down)
+    shared = swiglu_mlp(x, shared_gate_w, shared_up_w, shared_down_w)
+    shared_gate = torch.sigmoid(F.linear(x, shared_expert_gate_w.to(x.dtype)).float())
+    return (routed + shared_gate * shared.float()).to(x.dtype)

@@ -1,0 +1,61 @@
+"""Reference interleaved M-RoPE of Qwen3.6 with partial rotary (plain PyTorch, fp32 math).
+
+Text tokens have equal T/H/W positions, which reduces this to ordinary partial RoPE; image tokens
+carry distinct H/W positions from the frontend's rope index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mrope_inv_freq", "mrope_cos_sin", "apply_partial_rope"]
+
+
+def mrope_inv_freq(rotary_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """inv_freq_j = theta^(-2j / rotary_dim) for j < rotary_dim / 2, fp32, computed as HF does."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    return 1.0 / (theta**exponents)
+
+
+def _axis_of_frequency(half: int, mrope_section: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """Which position row (0 = T, 1 = H, 2 = W) drives each frequency under interleaved M-RoPE."""
+    j = torch.arange(half, device=device)
+    axis = torch.zeros(half, dtype=torch.long, device=device)
+    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return axis
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [N, rotary_dim] fp32 for 3-D positions [3, N] (rows T, H, W).
+
+    Equals HF `Qwen3_5TextRotaryEmbedding` (interleaved): each frequency takes its angle from one
+    position row, and the half-table is duplicated (`cat(angle, angle)`) for rotate-half.
+    """
+    if positions.dim() != 2 or positions.shape[0] != 3:
+        raise ValueError(f"positions must be [3, N], got {tuple(positions.shape)}")
+    half = rotary_dim // 2
+    inv_freq = mrope_inv_freq(rotary_dim, theta, positions.device)
+    angles_per_axis = positions.float()[..., None] * inv_freq  # [3, N, half]
+    axis = _axis_of_frequency(half, mrope_section, positions.device)
+    # angle[n, j] = angles_per_axis[axis[j], n, j]
+    angle = angles_per_axis.gather(0, axis.view(1, 1, half).expand(1, positions.shape[1], half))[0]
+    emb = torch.cat((angle, angle), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first rotary_dim dims of x [N, heads, head_dim]; the rest pass through.
+
+    Pairs are (i, i + rotary_dim/2) inside the rotary part; cos/sin are [N, rotary_dim]. fp32 math.
+    """
+    rotary_dim = cos.shape[-1]
+    x32 = x.float()
+    x_rot, x_pass = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    first, second = x_rot[..., : rotary_dim // 2], x_rot[..., rotary_dim // 2 :]
+    rotated_half = torch.cat((-second, first), dim=-1)
+    cos_b, sin_b = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)  # broadcast over heads
+    x_embed = x_rot * cos_b + rotated_half * sin_b
+    return torch.cat((x_embed, x_pass), dim=-1).to(x.dtype)
