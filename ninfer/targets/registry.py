@@ -62,9 +62,7 @@ def check_dims(package: Package, dims: dict[str, Any], source: str) -> None:
         raise PackageMismatch(f"{source}: dims are not readable as {package.name!r} dims: {e}") from None
     diffs = package.variant.diff(stored)
     if diffs:
-        raise PackageMismatch(
-            f"{source}: dims do not match package {package.name!r}: " + "; ".join(diffs)
-        )
+        raise PackageMismatch(f"{source}: dims do not match package {package.name!r}: " + "; ".join(diffs))
 
 
 def _with_defaults(v: Variant, p: Package) -> Variant:

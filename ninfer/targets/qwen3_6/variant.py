@@ -157,7 +157,9 @@ class Variant:
         return cls(
             **d,
             vision=VisionDims(**vision) if vision else None,
-            special=SpecialTokens(**{**special, "eos": tuple(special["eos"])}) if special else SpecialTokens(),
+            special=SpecialTokens(**{**special, "eos": tuple(special["eos"])})
+            if special
+            else SpecialTokens(),
         )
 
     # ---- Hugging Face config.json -------------------------------------------------------------

@@ -19,7 +19,12 @@ VARIANT = Variant(
     mrope_section=(2, 1, 1),
     max_position_embeddings=4096,
     vision=VisionDims(
-        depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, num_position_embeddings=16
+        depth=2,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=64,
+        num_position_embeddings=16,
     ),
 )
 

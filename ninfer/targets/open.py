@@ -1,0 +1,122 @@
+"""Build a package's Program and Frontend from a `.ninfer` artifact and an `EngineConfig`.
+
+This is the single seam between the model-free Engine and the targets: the Engine facade calls
+`open_target` once, at construction, and from then on talks to the returned objects through the
+runtime contracts only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
+
+# Without an explicit max_context a Program holds this many positions per request (bounded so the
+# default KV pool stays small; the model itself allows variant.max_position_embeddings).
+DEFAULT_MAX_CONTEXT = 32768
+
+
+@dataclass(frozen=True)
+class OpenedTarget:
+    program: Any  # Program (generation) or ScoringProgram (causal_scoring)
+    frontend: Frontend
+    package_name: str
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, storage: torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    # CPU reference path computes in fp32 (bf16 matmuls on CPU are slow and less exact)
+    return torch.float32 if device.type == "cpu" else storage
+
+
+def load_frontend(artifact_path: str) -> Frontend:
+    """The package's Frontend from the artifact's resources (no weights touched)."""
+    from ninfer.artifact import Artifact, check_identity
+
+    with Artifact.open(artifact_path) as artifact:
+        package = check_identity(artifact)
+        return _frontend(artifact, package.variant.special)
+
+
+def _frontend(artifact: Any, special: Any) -> Frontend:
+    def resource(name: str) -> bytes | None:
+        return artifact.frontend_resource(name)
+
+    tokenizer = resource("tokenizer.json")
+    template = resource("chat_template")
+    if tokenizer is None or template is None:
+        missing = [n for n, v in (("tokenizer.json", tokenizer), ("chat_template", template)) if v is None]
+        raise ValueError(f"{artifact.path}: artifact lacks frontend resource(s) {missing}")
+    generation = resource("generation_config.json")
+    preprocessor = resource("preprocessor_config.json")
+    return Frontend.from_resources(
+        FrontendResources(
+            tokenizer_json=tokenizer,
+            chat_template=template.decode("utf-8"),
+            generation_config=json.loads(generation) if generation else {},
+            preprocessor_config=json.loads(preprocessor) if preprocessor else None,
+        ),
+        special,
+    )
+
+
+def open_target(artifact_path: str, config: Any) -> OpenedTarget:
+    from ninfer.artifact import Artifact
+    from ninfer.targets.qwen3_6.binder import load_model_view
+
+    device = resolve_device(config.device)
+    with Artifact.open(artifact_path) as artifact:
+        storage = _storage_dtype(artifact)
+    dtype = resolve_dtype(config.dtype, storage, device)
+    package, view = load_model_view(artifact_path, device, dtype)
+    frontend = load_frontend(artifact_path)
+    variant = package.variant
+    if config.purpose == "causal_scoring":
+        from ninfer.targets.qwen3_6.impl.runtime.scoring import Qwen36ScoringProgram
+
+        program: Any = Qwen36ScoringProgram(
+            variant, view, window=config.score_window, page_size=config.page_size, device=device, dtype=dtype
+        )
+        return OpenedTarget(program, frontend, package.name)
+
+    from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
+
+    max_context = config.max_context or min(variant.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    if max_context > variant.max_position_embeddings:
+        raise ValueError(
+            f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
+        )
+    pages_per_seq = -(-max_context // config.page_size)
+    program = Qwen36Program(
+        variant,
+        view,
+        ProgramConfig(
+            max_concurrency=config.max_concurrency,
+            max_context=max_context,
+            page_size=config.page_size,
+            kv_pages=pages_per_seq * config.max_concurrency,
+            device=device,
+            dtype=dtype,
+            cuda_graphs=config.cuda_graphs,
+        ),
+    )
+    return OpenedTarget(program, frontend, package.name)
+
+
+def _storage_dtype(artifact: Any) -> torch.dtype:
+    from ninfer.targets.package import STORAGE_PROFILES
+
+    return getattr(torch, STORAGE_PROFILES[artifact.identity["storage_profile"]])

@@ -1,0 +1,449 @@
+"""`Program[Variant]`: the Qwen3.6 family's physical execution entry (generation purpose).
+
+One instance per Engine, built before the Engine accepts requests: model view, one `StateStore`
+(StateImage slots for GDN recurrent + conv state, paged KV for the attention layers), the page and
+slot pools, penalty tables and the sampling batch. Requests never allocate tensors of that size.
+
+Mechanisms (ARCHITECTURE.md §4):
+- Recurrent state by slot flip: each sequence owns a current slot and a spare; a unit reads the
+  current slot and writes the spare; `commit` flips, `abort_pending` keeps the old one.
+- KV by frontier: the pages for the complete growth reservation are mapped at materialization; a unit
+  writes K/V beyond the committed frontier; `commit` advances the frontier, abort leaves it.
+- Counter-based sampling: each draw is a function of (seed, position), so the RNG "advances" only by
+  the frontier moving on commit, and forced tokens never touch it.
+
+The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.core.pools import IndexPool
+from ninfer.ops.sampling import SamplingBatch, sample
+from ninfer.ops.sampling import SamplingParams as OpsSamplingParams
+from ninfer.runtime.contract.types import (
+    Blocked,
+    CheckpointEntry,
+    Infeasible,
+    PendingBatch,
+    PendingRow,
+    PrefillProgress,
+    ProgramInvariantError,
+    RequestPlan,
+    ResourceCapacity,
+    ResourcePlan,
+    ResourceResult,
+    ResourceUsage,
+    RowDecision,
+    RunningTransaction,
+    SequenceHandle,
+    StalePlan,
+    TokenLogprob,
+    validate_decisions,
+)
+from ninfer.targets.qwen3_6.impl.runtime.graphs import DecodeGraphs
+from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
+from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
+from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.view import ModelView
+
+_program_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    max_concurrency: int
+    max_context: int
+    page_size: int
+    kv_pages: int  # pages in the shared pool (every attention layer has the same page ids)
+    device: torch.device
+    dtype: torch.dtype
+    cuda_graphs: bool = False  # capture the decode unit per exact B (CUDA only)
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    """What a sealed materialization plan will take."""
+
+    pages: int
+    slots: int
+
+
+@dataclass(eq=False)
+class _Provisional:
+    """Program-private part of a PendingBatch: which unit ran, per row."""
+
+    kind: str
+    # per row: positions the unit consumed from the committed frontier (prompt chunk or forced inputs)
+    consumed: tuple[int, ...]
+
+
+class Qwen36Program:
+    """The Program for one exact package; generic over its `Variant` (no package branches inside)."""
+
+    def __init__(self, variant: Variant, view: ModelView, config: ProgramConfig) -> None:
+        self.variant = variant
+        self.view = view
+        self.config = config
+        self.owner = next(_program_ids)
+        n = config.max_concurrency
+        self._max_pages_per_seq = -(-config.max_context // config.page_size)
+        self._slots = IndexPool(2 * n, "state slot")  # current + spare per sequence
+        self._pages = IndexPool(config.kv_pages, "KV page")
+        self.store = StateStore.allocate(
+            variant, 2 * n, config.kv_pages, config.page_size, config.dtype, config.device
+        )
+        # penalty tables, one row per sequence index (allocated once; zeroed at materialization)
+        vocab = variant.vocab_size
+        self._prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=config.device)
+        self._output_counts = torch.zeros(n, vocab, dtype=torch.int32, device=config.device)
+        self._steps = StepBuilder(config.page_size, self._max_pages_per_seq, config.device)
+        self._sequences: dict[int, SequenceState] = {}
+        self._generations = [0] * n
+        self._revision = 0
+        self._txn_ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._open_txn: RunningTransaction | None = None
+        self._open_pending: PendingBatch | None = None
+        self._graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and config.device.type == "cuda":
+            self._graphs = DecodeGraphs(
+                self._decode_logits, n, self._max_pages_per_seq, config.device, scratch_slot=0
+            )
+
+    # ---- static facts ---------------------------------------------------------------------------
+    @property
+    def max_concurrency(self) -> int:
+        return self.config.max_concurrency
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def resource_revision(self) -> int:
+        return self._revision
+
+    def capacity(self) -> ResourceCapacity:
+        return ResourceCapacity(
+            max_sequences=self.max_concurrency,
+            state_slots=self._slots.size,
+            kv_pages=self._pages.size,
+            page_size=self.page_size,
+            max_context=self.max_context,
+        )
+
+    def usage(self) -> ResourceUsage:
+        mapped = sum(-(-s.frontier // self.page_size) for s in self._sequences.values())
+        return ResourceUsage(
+            sequences=len(self._sequences),
+            state_slots=self._slots.used_count,
+            kv_pages_mapped=mapped,
+            kv_pages_reserved=self._pages.used_count,
+            open_transactions=int(self._open_txn is not None),
+            open_pending_batches=int(self._open_pending is not None),
+        )
+
+    # ---- materialization ------------------------------------------------------------------------
+    def _reservation(self, request: RequestPlan) -> _Reservation:
+        return _Reservation(pages=-(-request.max_total_tokens // self.page_size), slots=2)
+
+    def plan_materialization(
+        self, request: RequestPlan, candidates: Sequence[CheckpointEntry] = ()
+    ) -> ResourcePlan | Blocked | Infeasible:
+        total = request.max_total_tokens
+        if total > self.max_context:
+            return Infeasible(
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_new_tokens}) = "
+                f"{total} exceeds the context limit of {self.max_context} tokens; shorten the prompt or "
+                "lower max_tokens"
+            )
+        need = self._reservation(request)
+        if need.pages > self._pages.size:
+            return Infeasible(
+                f"needs {need.pages * self.page_size} KV positions, the KV pool holds "
+                f"{self._pages.size * self.page_size}; lower max_tokens"
+            )
+        if len(request.prompt_token_ids) < 1:
+            return Infeasible("the prompt is empty; give at least one token")
+        if self._free_index() is None or need.slots > self._slots.free_count:
+            return Blocked("no free sequence slot")
+        if need.pages > self._pages.free_count:
+            return Blocked(f"{need.pages} KV pages needed, {self._pages.free_count} free")
+        return ResourcePlan(
+            owner=self.owner,
+            resource_revision=self._revision,
+            reserved=ResourceUsage(sequences=1, state_slots=need.slots, kv_pages_reserved=need.pages),
+            sealed=(request, need),
+        )
+
+    def start(self, plan: ResourcePlan) -> RunningTransaction:
+        if plan.owner != self.owner:
+            raise ProgramInvariantError("plan from another Program")
+        if plan.resource_revision != self._revision:
+            raise StalePlan(f"plan sealed at revision {plan.resource_revision}, now {self._revision}")
+        if self._open_txn is not None:
+            raise ProgramInvariantError("a resource transaction is already open")
+        request, need = plan.sealed
+        index = self._free_index()
+        if index is None or need.slots > self._slots.free_count or need.pages > self._pages.free_count:
+            raise ProgramInvariantError("plan at the current revision is no longer feasible")
+        slots = self._slots.allocate(need.slots)
+        pages = self._pages.allocate(need.pages)
+        self._revision += 1
+        txn = RunningTransaction(
+            owner=self.owner,
+            transaction_id=next(self._txn_ids),
+            plan=plan,
+            sealed=(request, index, slots, pages),
+        )
+        self._open_txn = txn
+        return txn
+
+    def poll(self, txn: RunningTransaction) -> bool:
+        self._check_txn(txn)
+        return True  # root-source materialization has no copies to wait for
+
+    def finish(self, txn: RunningTransaction) -> ResourceResult:
+        self._check_txn(txn)
+        request, index, slots, pages = txn.sealed
+        sampling = request.sampling
+        ops_params = OpsSamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            seed=sampling.seed,
+        )
+        penalised = (
+            sampling.repetition_penalty != 1.0
+            or sampling.presence_penalty != 0.0
+            or sampling.frequency_penalty != 0.0
+        )
+        self._generations[index] += 1
+        handle = SequenceHandle(owner=self.owner, index=index, generation=self._generations[index])
+        self._sequences[index] = SequenceState(
+            handle=handle,
+            prompt=request.prompt_token_ids,
+            max_total=request.max_total_tokens,
+            sampling=ops_params,
+            seed=sampling.seed,
+            logprobs=request.logprobs,
+            penalised=penalised,
+            slot=slots[0],
+            spare=slots[1],
+            pages=pages,
+        )
+        if penalised:
+            self._prompt_mask[index].zero_()
+            self._prompt_mask[index, torch.tensor(request.prompt_token_ids, device=self.config.device)] = True
+            self._output_counts[index].zero_()
+        self._open_txn = None
+        self._revision += 1
+        return ResourceResult(kind="materialized", resource_revision=self._revision, handle=handle)
+
+    def abort(self, txn: RunningTransaction) -> ResourceResult:
+        self._check_txn(txn)
+        _, _, slots, pages = txn.sealed
+        self._slots.free(slots)
+        self._pages.free(pages)
+        self._open_txn = None
+        self._revision += 1
+        return ResourceResult(kind="aborted", resource_revision=self._revision)
+
+    def release(self, handle: SequenceHandle) -> ResourceResult:
+        seq = self._sequence(handle)
+        self._no_open_pending("release")
+        self._slots.free([seq.slot, seq.spare])
+        self._pages.free(seq.pages)
+        del self._sequences[handle.index]
+        self._revision += 1
+        return ResourceResult(kind="released", resource_revision=self._revision, handle=handle)
+
+    # ---- execution ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
+        seq = self._sequence(handle)
+        self._no_open_pending("prefill")
+        if budget_tokens < 1:
+            raise ProgramInvariantError(f"prefill budget must be >= 1, got {budget_tokens}")
+        remaining = seq.prompt_remaining
+        if remaining < 1:
+            raise ProgramInvariantError("prefill of a sequence whose prompt is already consumed")
+        start = seq.frontier
+        if remaining > budget_tokens:
+            chunk = seq.prompt[start : start + budget_tokens]
+            self._run([seq], [chunk], write_spare=False, logits="none")
+            seq.frontier += len(chunk)  # prompt chunks commit directly: the prompt is known
+            return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
+        chunk = seq.prompt[start:]
+        logits = self._run([seq], [chunk], write_spare=True, logits="last")
+        return self._pending("prefill", [seq], logits, consumed=(len(chunk),))
+
+    @torch.inference_mode()
+    def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
+        self._no_open_pending("decode")
+        if not handles or len(handles) > self.max_concurrency or len(budgets) != len(handles):
+            raise ProgramInvariantError(f"decode of {len(handles)} rows with {len(budgets)} budgets")
+        seqs = [self._sequence(h) for h in handles]
+        if len({s.handle.index for s in seqs}) != len(seqs):
+            raise ProgramInvariantError("a sequence appears twice in one decode unit")
+        for s, b in zip(seqs, budgets):
+            if s.pending_input is None or not s.state_valid or b < 1:
+                raise ProgramInvariantError(f"sequence {s.handle} is not decode-ready")
+            if s.frontier + 1 > s.max_total:
+                raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
+        logits = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
+        return self._pending("decode", seqs, logits, consumed=(1,) * len(seqs))
+
+    @torch.inference_mode()
+    def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
+        seq = self._sequence(handle)
+        self._no_open_pending("force")
+        tokens = tuple(int(t) for t in tokens)
+        if not tokens or seq.pending_input is None or not seq.state_valid:
+            raise ProgramInvariantError(f"forced control on {handle} with {len(tokens)} tokens")
+        if seq.frontier + len(tokens) > seq.max_total:
+            raise ProgramInvariantError(f"forced tokens would grow {handle} past its reservation")
+        if any(not 0 <= t < self.variant.vocab_size for t in tokens):
+            raise ProgramInvariantError("forced token id outside the vocabulary")
+        # the model consumes the pending input and every forced token but the last, which becomes the
+        # new pending input: exactly the state after sampling those tokens, with no sampler involved
+        inputs = (seq.pending_input, *tokens[:-1])
+        self._run([seq], [inputs], write_spare=True, logits="none")
+        row = PendingRow(handle=handle, tokens=tokens, base_frontier=seq.frontier)
+        return self._open(
+            PendingBatch(
+                self.owner, next(self._batch_ids), "force", [row], _Provisional("force", (len(inputs),))
+            )
+        )
+
+    def commit(self, pending: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+        self._check_pending(pending)
+        pending._consume()
+        self._open_pending = None
+        validate_decisions(pending, decisions)
+        provisional: _Provisional = pending.provisional
+        for row, decision, consumed in zip(pending.rows, decisions, provisional.consumed):
+            seq = self._sequence(row.handle)
+            accepted = row.tokens[: decision.accepted_tokens]
+            if pending.kind == "prefill":
+                # the final prompt chunk is committed even for a cancelled row (it is the prompt)
+                seq.frontier += consumed
+                seq.flip_slots()
+            elif decision.accepted_tokens == row.produced and not decision.cancelled:
+                seq.frontier += consumed
+                seq.flip_slots()
+            elif accepted:
+                # terminal partial accept: the output keeps the prefix, the model state is not needed
+                seq.state_valid = False
+            if accepted:
+                seq.pending_input = accepted[-1]
+                seq.generated.extend(accepted)
+                if seq.penalised:
+                    ids = torch.tensor(accepted, device=self.config.device)
+                    self._output_counts[row.handle.index].index_add_(
+                        0, ids, torch.ones_like(ids, dtype=torch.int32)
+                    )
+
+    def abort_pending(self, pending: PendingBatch) -> None:
+        self._check_pending(pending)
+        pending._consume()
+        self._open_pending = None
+        # nothing to undo: the spare slots and KV beyond the frontier are simply overwritten later
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _run(
+        self,
+        seqs: Sequence[SequenceState],
+        inputs: Sequence[Sequence[int]],
+        *,
+        write_spare: bool,
+        logits: str,
+    ) -> torch.Tensor | None:
+        batch = self._steps.build(seqs, inputs, write_spare=write_spare)
+        if self._graphs is not None and logits == "last" and batch.is_decode:
+            return self._graphs.run(batch)
+        return forward(self.view, self.variant, batch, self.store, logits=logits).logits
+
+    def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
+        """The unit a decode graph captures: one token per row in, last-token logits out."""
+        logits = forward(self.view, self.variant, batch, self.store, logits="last").logits
+        assert logits is not None
+        return logits
+
+    def _pending(
+        self, kind: str, seqs: Sequence[SequenceState], logits: torch.Tensor, consumed: tuple[int, ...]
+    ) -> PendingBatch:
+        params = [s.sampling for s in seqs]
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], self.config.device)
+        # the counter of a draw is the absolute position of the sampled token
+        positions = torch.tensor(
+            [s.frontier + c for s, c in zip(seqs, consumed)], dtype=torch.int64, device=self.config.device
+        )
+        penalised = any(s.penalised for s in seqs)
+        index = torch.tensor([s.handle.index for s in seqs], device=self.config.device)
+        top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
+        result = sample(
+            logits,
+            batch,
+            positions,
+            prompt_mask=self._prompt_mask[index] if penalised else None,
+            output_counts=self._output_counts[index] if penalised else None,
+            num_logprobs=top_n,
+        )
+        tokens = result.tokens.tolist()
+        chosen = result.logprob.tolist()
+        top_ids = result.top_ids.tolist()
+        top_lp = result.top_logprobs.tolist()
+        rows = []
+        for i, s in enumerate(seqs):
+            lp = None
+            if s.logprobs.enabled:
+                n = s.logprobs.top_n
+                top = tuple(zip(top_ids[i][:n], top_lp[i][:n]))
+                lp = (TokenLogprob(token_id=tokens[i], logprob=chosen[i], top=top),)
+            rows.append(
+                PendingRow(handle=s.handle, tokens=(tokens[i],), base_frontier=s.frontier, logprobs=lp)
+            )
+        return self._open(
+            PendingBatch(self.owner, next(self._batch_ids), kind, rows, _Provisional(kind, consumed))
+        )
+
+    def _open(self, pending: PendingBatch) -> PendingBatch:
+        self._open_pending = pending
+        return pending
+
+    def _free_index(self) -> int | None:
+        return next((i for i in range(self.max_concurrency) if i not in self._sequences), None)
+
+    def _sequence(self, handle: SequenceHandle) -> SequenceState:
+        seq = self._sequences.get(handle.index) if handle.owner == self.owner else None
+        if seq is None or seq.handle.generation != handle.generation:
+            raise ProgramInvariantError(f"stale or foreign sequence handle {handle}")
+        return seq
+
+    def _check_txn(self, txn: RunningTransaction) -> None:
+        if txn is not self._open_txn:
+            raise ProgramInvariantError(f"transaction {txn.transaction_id} is not the open one")
+
+    def _check_pending(self, pending: PendingBatch) -> None:
+        if pending.owner != self.owner or pending is not self._open_pending:
+            raise ProgramInvariantError(f"{pending!r} is not this Program's open batch")
+
+    def _no_open_pending(self, what: str) -> None:
+        if self._open_pending is not None:
+            raise ProgramInvariantError(f"{what} while {self._open_pending!r} is unconsumed")

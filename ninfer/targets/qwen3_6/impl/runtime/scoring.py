@@ -1,0 +1,76 @@
+"""The Program side of the causal_scoring purpose: one window at a time on temporary empty state.
+
+Allocated only when an Engine starts with ``purpose="causal_scoring"``: one StateImage slot and the KV
+pages of one window. Every window starts from zero state (``fresh``) and leaves nothing behind that a
+later window or request could see. Log-probs are computed from the final hidden states in row chunks,
+so a long window never materialises a ``[T, 248320]`` logits matrix at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
+from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.view import ModelView
+
+_LOGPROB_ROWS = 256  # hidden rows per lm_head chunk (bounds the fp32 logits staging)
+
+
+class Qwen36ScoringProgram:
+    def __init__(
+        self,
+        variant: Variant,
+        view: ModelView,
+        *,
+        window: int,
+        page_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.variant = variant
+        self.view = view
+        self.window = window
+        self.device = device
+        pages = -(-window // page_size)
+        self._page_size = page_size
+        self.store = StateStore.allocate(variant, 1, pages, page_size, dtype, device)
+        self._block_table = torch.arange(pages, dtype=torch.int32, device=device).unsqueeze(0)
+
+    @property
+    def max_context(self) -> int:
+        return self.window
+
+    @torch.inference_mode()
+    def score_window(self, token_ids: Sequence[int]) -> list[float]:
+        n = len(token_ids)
+        if not 1 <= n <= self.window:
+            raise ValueError(f"a scoring window holds 1..{self.window} tokens, got {n}")
+        if n == 1:
+            return []
+        dev = self.device
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
+        pos = torch.arange(n, dtype=torch.long, device=dev)
+        batch = StepBatch(
+            token_ids=ids,
+            positions=pos.expand(3, -1),
+            query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_table=self._block_table,
+            slot_mapping=pos,  # pages 0.. in order: flat slot == position
+            state_in=torch.zeros(1, dtype=torch.long, device=dev),
+            state_out=torch.zeros(1, dtype=torch.long, device=dev),
+            fresh=torch.ones(1, dtype=torch.bool, device=dev),
+        )
+        hidden = forward(self.view, self.variant, batch, self.store, logits="none").hidden
+        lm_head = self.view.text.lm_head
+        out: list[float] = []
+        for start in range(0, n - 1, _LOGPROB_ROWS):
+            stop = min(start + _LOGPROB_ROWS, n - 1)
+            logits = torch.nn.functional.linear(hidden[start:stop], lm_head).float()
+            targets = ids[start + 1 : stop + 1]
+            lp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            out.extend(lp.tolist())
+        return out

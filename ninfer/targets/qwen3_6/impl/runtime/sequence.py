@@ -1,0 +1,38 @@
+"""One active sequence's physical facts, private to the Program.
+
+The committed frontier is the number of positions whose K/V and GDN state are in the store. The last
+committed output token (``pending_input``) has been sampled but not yet run through the model: the
+next unit feeds it at position ``frontier``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ninfer.ops.sampling import SamplingParams as OpsSamplingParams
+from ninfer.runtime.contract.types import LogprobParams, SequenceHandle
+
+
+@dataclass(eq=False)
+class SequenceState:
+    handle: SequenceHandle
+    prompt: tuple[int, ...]
+    max_total: int  # complete growth reservation in positions (prompt + max_new_tokens)
+    sampling: OpsSamplingParams
+    seed: int
+    logprobs: LogprobParams
+    penalised: bool  # any penalty away from neutral: keep prompt mask and output counts
+    slot: int  # StateImage slot holding the committed GDN state
+    spare: int  # StateImage slot the next unit writes into (slot flip on commit)
+    pages: list[int]  # KV pages mapped for the whole reservation, in position order
+    frontier: int = 0  # committed positions in KV and GDN state
+    pending_input: int | None = None  # committed output token not yet run through the model
+    generated: list[int] = field(default_factory=list)
+    state_valid: bool = True  # False after a terminal partial accept: only release may follow
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.prompt) - self.frontier if self.frontier < len(self.prompt) else 0
+
+    def flip_slots(self) -> None:
+        self.slot, self.spare = self.spare, self.slot

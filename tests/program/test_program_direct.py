@@ -1,0 +1,145 @@
+"""The family Program driven directly through the contract: greedy tokens equal transformers' generate,
+rows batched together equal rows alone, abort_pending leaves state untouched, accounting returns to 0."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ninfer.runtime.contract.types import (
+    LogprobParams,
+    PendingBatch,
+    ProgramInvariantError,
+    RequestPlan,
+    ResourcePlan,
+    RowDecision,
+    SamplingParams,
+)
+from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
+from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
+from ninfer.targets.registry import PACKAGES
+
+torch.set_num_threads(1)
+SEED = 7
+
+
+@functools.cache
+def view(name: str):
+    return random_model_view(PACKAGES[name].variant, seed=SEED, dtype=torch.float32, device="cpu")
+
+
+@functools.cache
+def hf_generate(name: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    package = PACKAGES[name]
+    text = package.hf_config()["text_config"]
+    cfg, cls = (
+        (Qwen3_5MoeTextConfig(**text), Qwen3_5MoeForCausalLM)
+        if package.variant.moe
+        else (Qwen3_5TextConfig(**text), Qwen3_5ForCausalLM)
+    )
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).float().eval()
+    model.load_state_dict(hf_state_dict(view(name), text_only=True), strict=True)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_program(name: str, max_concurrency: int = 4) -> Qwen36Program:
+    return Qwen36Program(
+        PACKAGES[name].variant,
+        view(name),
+        ProgramConfig(
+            max_concurrency=max_concurrency,
+            max_context=128,
+            page_size=16,
+            kv_pages=8 * max_concurrency,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+        ),
+    )
+
+
+def materialize(program: Qwen36Program, prompt: list[int], max_new: int, temperature: float = 0.0):
+    plan = program.plan_materialization(
+        RequestPlan(
+            tuple(prompt), max_new, SamplingParams(seed=1, temperature=temperature), LogprobParams(), "d"
+        )
+    )
+    assert isinstance(plan, ResourcePlan), plan
+    return program.finish(program.start(plan)).handle
+
+
+def commit_all(program: Qwen36Program, pending: PendingBatch) -> list[int]:
+    program.commit(pending, [RowDecision(r.handle, r.produced) for r in pending.rows])
+    return [r.tokens[0] for r in pending.rows]
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 248320, (int(L),), generator=g).tolist() for L in (5, 23, 40, 17)[:n]]
+
+
+@pytest.mark.parametrize("name", ["qwen3_6_tiny", "qwen3_6_tiny_moe"])
+def test_batched_greedy_equals_transformers(name: str) -> None:
+    program = make_program(name)
+    baseline = program.usage()
+    ps = prompts(4)
+    handles = [materialize(program, p, 8) for p in ps]
+    out: dict[int, list[int]] = {i: [] for i in range(4)}
+    for i, h in enumerate(handles):  # chunked prefill (budget 9) then the first token
+        while not isinstance(pending := program.prefill(h, 9), PendingBatch):
+            pass
+        out[i] += commit_all(program, pending)
+    for _ in range(7):  # decode rounds of all four rows at once
+        tokens = commit_all(program, program.decode(handles, [8] * 4))
+        for i, t in enumerate(tokens):
+            out[i].append(t)
+    for i, p in enumerate(ps):
+        assert out[i] == hf_generate(name, tuple(p), 8), f"row {i}"
+    for h in handles:
+        program.release(h)
+    assert program.usage() == baseline
+
+
+def test_abort_pending_leaves_state_and_contract_checks() -> None:
+    program = make_program("qwen3_6_tiny", 2)
+    p = prompts(1)[0]
+    h = materialize(program, p, 6)
+    first = commit_all(program, program.prefill(h, 64))
+    pending = program.decode([h], [5])
+    with pytest.raises(ProgramInvariantError):
+        program.decode([h], [5])  # unconsumed batch
+    program.abort_pending(pending)
+    with pytest.raises(ProgramInvariantError):
+        program.commit(pending, [RowDecision(h, 1)])  # consumed twice
+    second = commit_all(program, program.decode([h], [5]))
+    assert first + second == hf_generate("qwen3_6_tiny", tuple(p), 8)[:2]
+    program.release(h)
+    with pytest.raises(ProgramInvariantError):
+        program.decode([h], [1])  # stale handle
+
+
+def test_forced_tokens_then_decode_equals_model_on_that_text() -> None:
+    program = make_program("qwen3_6_tiny", 1)
+    p = prompts(1)[0]
+    h = materialize(program, p, 10)
+    first = commit_all(program, program.prefill(h, 64))
+    forced = [11, 22, 33]
+    pending = program.force(h, forced)
+    program.commit(pending, [RowDecision(h, 3)])
+    nxt = commit_all(program, program.decode([h], [6]))
+    # the same continuation as greedy decoding of the prompt + first + forced tokens
+    assert nxt == hf_generate("qwen3_6_tiny", tuple(p + first + forced), 1)
+    program.release(h)

@@ -1,0 +1,81 @@
+"""`.ninfer` artifacts of the tiny test packages with random weights, written through ArtifactWriter.
+
+The weights are `random_model_view(variant, seed=SEED)` (norms randomised), so a test can rebuild the
+same view, or the same transformers model through `hf_state_dict`, as its oracle. Frontend resources
+are the real Qwen3.6 tokenizer and chat template from tests/fixtures.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from ninfer.artifact import ArtifactWriter, TensorSpec
+from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
+from ninfer.targets.qwen3_6.view import ModelView
+from ninfer.targets.qwen3_6.weights import weight_schema
+from ninfer.targets.registry import PACKAGES
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SEED = 20261129
+GENERATION_CONFIG = {
+    "eos_token_id": [248046, 248044],
+    "pad_token_id": 248044,
+    "temperature": 1.0,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+@functools.cache
+def tiny_view(package_name: str) -> ModelView:
+    variant = PACKAGES[package_name].variant
+    return random_model_view(variant, seed=SEED, dtype=torch.float32, device="cpu")
+
+
+def write_tiny_artifact(package_name: str, path: Path) -> Path:
+    package = PACKAGES[package_name]
+    tensors = tiny_view(package_name).tensors
+    specs = [TensorSpec(s.name, tensors[s.name].dtype, s.shape) for s in weight_schema(package.variant)]
+    frontend = {
+        "tokenizer.json": (FIXTURES / "tokenizer.json").read_bytes(),
+        "chat_template": (FIXTURES / "qwen3_6.jinja").read_bytes(),
+        "generation_config.json": json.dumps(GENERATION_CONFIG, sort_keys=True).encode(),
+    }
+    with ArtifactWriter(
+        path,
+        identity=package.identity("fp32"),
+        dims=package.variant.dims(),
+        tensors=specs,
+        frontend=frontend,
+        provenance={"source": "tests/tiny_artifacts.py", "seed": SEED},
+    ) as writer:
+        for spec in specs:
+            writer.write_tensor(spec.name, tensors[spec.name])
+    return path
+
+
+@functools.cache
+def hf_causal_lm(package_name: str) -> torch.nn.Module:
+    """transformers' Qwen3_5(Moe)ForCausalLM holding `tiny_view`'s weights (the oracle)."""
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    package = PACKAGES[package_name]
+    text = package.hf_config()["text_config"]
+    config, cls = (
+        (Qwen3_5MoeTextConfig(**text), Qwen3_5MoeForCausalLM)
+        if package.variant.moe
+        else (Qwen3_5TextConfig(**text), Qwen3_5ForCausalLM)
+    )
+    config._attn_implementation = "eager"
+    model = cls(config).float().eval()
+    model.load_state_dict(hf_state_dict(tiny_view(package_name), text_only=True), strict=True)
+    return model
