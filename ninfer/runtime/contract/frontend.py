@@ -1,0 +1,131 @@
+"""The package-neutral Frontend contract the Engine codes against.
+
+A family Frontend (``ninfer/targets/qwen3_6/frontend``) owns input and output semantics: tokenizer, chat
+template, vision preprocessing, stop handling, thinking/content channels, detokenization and tool calls.
+The Engine only needs the shapes below; it imports no target. ``OutputOptions`` is a plain value the
+Engine builds from the public request; a Frontend reads it by attribute name.
+
+Rules a Frontend must keep:
+- ``prepare_*`` are pure and thread-safe (they run on the caller's thread, before submit).
+- An ``OutputSession`` belongs to one request and is used only by the Engine worker.
+- ``preview`` is pure: it computes the effect of ``token_ids`` appended to what was committed, without
+  changing the session. ``commit(preview)`` applies exactly that preview; it is called only after the
+  Program committed the same tokens. A preview not committed is simply dropped.
+- ``OutputPreview.accepted`` counts model tokens the output consumes (a stopping token counts), so it is
+  ``>= 1`` for a non-empty span. ``accepted < len(token_ids)`` only together with ``stop=True``.
+- ``force_tokens`` non-empty (only when not stopping) asks the Engine to run those tokens as forced
+  control next (e.g. closing a thinking block at the thinking budget). Forced tokens count against
+  max_tokens: when fewer remain, the Engine forces only that prefix (the request then ends by length),
+  so the session's next ``preview`` must accept any non-empty prefix of what it asked to force.
+- ``finish()`` flushes whatever the session still holds back (at length, cancellation or error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """Per-request output semantics, built by the Engine from the public request."""
+
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    parse_reasoning: bool = False
+    parse_tool_calls: bool = False
+    thinking_budget: int | None = None
+
+
+@runtime_checkable
+class PreparedPromptLike(Protocol):
+    """An owning prepared prompt: token ids plus content identity (tokens and media)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def opens_thinking(self) -> bool: ...
+
+
+@runtime_checkable
+class ToolCallDeltaLike(Protocol):
+    """Incremental tool call: ``index`` identifies the call; later deltas extend ``arguments``."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def id(self) -> str | None: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def arguments(self) -> str: ...
+
+
+@runtime_checkable
+class OutputDeltaLike(Protocol):
+    """The user-visible effect of committed tokens."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def reasoning_text(self) -> str: ...
+
+    @property
+    def tool_calls(self) -> Sequence[ToolCallDeltaLike]: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+
+@runtime_checkable
+class OutputPreviewLike(Protocol):
+    """A pure preview of appending a span of model tokens to an OutputSession."""
+
+    @property
+    def accepted(self) -> int: ...
+
+    @property
+    def stop(self) -> bool: ...
+
+    @property
+    def delta(self) -> OutputDeltaLike: ...
+
+    @property
+    def force_tokens(self) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
+class OutputSessionLike(Protocol):
+    def preview(self, token_ids: Sequence[int]) -> OutputPreviewLike: ...
+
+    def commit(self, preview: OutputPreviewLike) -> OutputDeltaLike: ...
+
+    def finish(self) -> OutputDeltaLike: ...
+
+
+@runtime_checkable
+class FrontendLike(Protocol):
+    def prepare_text(self, text: str) -> PreparedPromptLike: ...
+
+    def prepare_tokens(self, token_ids: Sequence[int]) -> PreparedPromptLike: ...
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> PreparedPromptLike: ...
+
+    def new_output_session(self, prompt: PreparedPromptLike, options: OutputOptions) -> OutputSessionLike: ...

@@ -1,0 +1,554 @@
+"""The package-neutral Program contract: the only way the Engine touches physical model state.
+
+The Engine (``ninfer/runtime/engine``) owns request order, lifecycle and publication; the Program
+(``ninfer/targets/qwen3_6/impl/runtime``, instantiated per package) owns every physical fact: active
+sequences, State/KV stores, allocators, reservations, provisional model state, RNG, workspaces and graphs.
+This module is what they share: a ``Program`` Protocol plus plain, immutable values. It imports neither
+torch nor a target, so the Engine stays model-free (see docs/engine.md, docs/resources-and-context-cache.md).
+
+Rules every Program implementation must keep (each method's docstring repeats the local ones):
+
+1. **Single thread.** Only the Engine worker thread calls a Program. No method is re-entrant; the Program
+   needs no locks for the Engine's sake.
+2. **No request knowledge.** The Program never sees FIFO position, session keys, users or request ids.
+   It sees ``RequestPlan`` (what to materialize), ``SequenceHandle`` (which active sequence) and
+   ``CheckpointEntry`` (which cache candidate), nothing else.
+3. **Complete growth reservation.** A ``ResourcePlan`` reserves everything the request can ever need:
+   ``len(prompt) + max_new_tokens`` KV positions (rounded up to pages), its state slots and spares, its
+   execution row. Once ``finish`` returns a sequence, no other request or inactive cache can take away
+   its ability to finish. ``plan_materialization`` never over-commits.
+4. **Sealed plans, one transition at a time.** A plan is bound to the ``resource_revision`` it was made
+   at. ``start`` of a plan whose revision is stale raises ``StalePlan`` with *no side effect* (the Engine
+   re-plans). Every transition that changes global allocation (start, finish, abort, release, capture,
+   placement) advances ``resource_revision``. Once started, a transaction cannot change source, victims
+   or stage order; it ends in exactly one of ``finish`` or ``abort``, both returning a complete
+   ``ResourceResult``.
+5. **Move-only PendingBatch.** ``prefill`` (final chunk), ``decode`` and ``force`` return a
+   ``PendingBatch`` holding provisional state only: the committed frontier, recurrent state, KV
+   frontier, RNG and speculative state of every member are unchanged until ``commit``. Exactly one of
+   ``commit(pending, decisions)`` or ``abort_pending(pending)`` consumes it whole; a second consumption,
+   a decision list that does not match the frozen membership, or a new execution unit while a batch is
+   unconsumed is a ``ProgramInvariantError``. ``abort_pending`` leaves every member exactly as before
+   the unit.
+6. **Accepted-prefix commit.** ``commit`` commits, atomically per batch, the accepted prefix of every
+   row: Main KV frontier, backend KV, recurrent/conv state of the accepted position, RNG and speculative
+   state. Rules on decisions (checked by ``validate_decisions``): a non-cancelled row has
+   ``1 <= accepted <= produced``; a nonterminal row has ``accepted == produced``; a cancelled row has
+   ``accepted == 0`` and is terminal. A terminal row stays an active sequence until ``release``.
+7. **Forced control.** ``force(handle, tokens)`` runs the given tokens (from the Frontend) through the
+   model exactly like sampled tokens, but calls no sampler and never advances the sampling RNG, neither
+   on execution nor on commit.
+8. **Sampling RNG advances only on commit**, and only for sampled tokens. Seeded sampling must be
+   reproducible regardless of which other rows share a batch (e.g. counter-based: seed x position).
+9. **Handles are checked.** Every method taking a ``SequenceHandle`` verifies ``owner`` (this Program
+   instance) and ``generation`` (the sequence slot has not been released and reused since); a mismatch
+   raises ``ProgramInvariantError``.
+10. **Exact B.** ``decode`` receives exactly the rows to run (``B = len(handles)``, 1..max_concurrency),
+    never padding; the Program may pick a graph by exact ``B`` but request identity and page ids are data.
+11. **Failure.** Any exception other than ``StalePlan`` (from ``start``) means the Program can no longer
+    vouch for its shared state: the Engine fails as a whole, calls ``abort_pending``/``abort``/``release``
+    best-effort for cleanup, and never calls the Program again. Request-level problems are reported as
+    values (``Infeasible``), never raised.
+12. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
+    reserved pages, open transactions, open pending batches); after every request has ended it must
+    equal the baseline taken after construction/warmup (checkpoints aside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+# ---------------------------------------------------------------------------------------------------
+# Errors a Program raises (anything else it raises is also an Engine-wide failure)
+# ---------------------------------------------------------------------------------------------------
+
+
+class StalePlan(Exception):
+    """``start`` was given a plan sealed at an older ``resource_revision``; nothing changed, re-plan."""
+
+
+class ProgramInvariantError(RuntimeError):
+    """The Program detected a contract break (bad handle, double consumption, mismatched decisions).
+
+    The Engine treats it as an Engine-wide failure: shared physical state can no longer be explained.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
+# Identities and summaries
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceHandle:
+    """Opaque name of one active sequence inside one Program.
+
+    ``owner`` identifies the Program instance that issued it, ``index`` is a Program-private slot number
+    and ``generation`` changes every time that slot is released and reused, so a stale handle is caught.
+    The Engine never derives a lane, a state slot, a KV row or a batch row from a handle: they are
+    different identities (a batch row is only a position in the current ``PendingBatch``).
+    """
+
+    owner: int
+    index: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceCapacity:
+    """Static facts fixed when the Program is built (before the Engine accepts requests)."""
+
+    max_sequences: int  # concurrently active sequences (control/state/table resources), >= max_concurrency
+    state_slots: int  # StateImage slots in the pool (current + spares for every sequence)
+    kv_pages: int  # pages in the shared paged KV pool(s), counted in pages of `page_size` positions
+    page_size: int  # KV positions per page
+    max_context: int  # longest sequence (prompt + generated) one request may reach
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceUsage:
+    """What the Program holds right now; compared against the idle baseline by tests and the Engine."""
+
+    sequences: int = 0  # active sequences (materialized, not yet released)
+    state_slots: int = 0  # StateImage slots owned by active sequences, transactions or checkpoints
+    kv_pages_mapped: int = 0  # pages that hold written KV positions
+    kv_pages_reserved: int = 0  # pages promised to active sequences / transactions (includes mapped ones)
+    open_transactions: int = 0  # started resource transactions not yet finished or aborted
+    open_pending_batches: int = 0  # PendingBatches not yet committed or aborted (0 or 1)
+    checkpoints: int = 0  # published checkpoints held (always 0 until the context cache exists)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Context cache seam (empty for now: the ResourceManager's catalog holds no entries yet)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEntry:
+    """One immutable, complete checkpoint the Program published (State + Main KV + backend state + meta).
+
+    The ResourceManager keeps these in its logical catalog and offers them back to
+    ``plan_materialization`` as candidate sources; the Program alone knows their bytes and pages.
+    Today no Program publishes checkpoints, so catalogs stay empty and candidates are always ``()``.
+    """
+
+    checkpoint_id: int
+    prefix_digest: str  # content identity of the prefix (tokens + media) the checkpoint continues from
+    frontier_tokens: int  # committed positions in the checkpoint
+    shared: bool = False  # private to one session binding, or shareable by any matching prefix
+
+
+# ---------------------------------------------------------------------------------------------------
+# Materialization: RequestPlan -> ResourcePlan -> RunningTransaction -> ResourceResult
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling options (the public request is checked before it gets here).
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k, ``top_p == 1`` and ``min_p == 0``
+    disable theirs, penalties at their neutral values (0, 0, 1) are off. ``seed`` is always set: the
+    Engine draws one when the user gave none, so every request is reproducible from its plan.
+    """
+
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobParams:
+    """Whether rows carry the chosen token's logprob, and how many top alternatives (0..20)."""
+
+    enabled: bool = False
+    top_n: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Everything the Program needs to materialize and run one request; nothing about who or when.
+
+    ``prepared_prompt`` is the Frontend's owning prepared prompt, opaque to the Engine: the Program of
+    the same family may read family-specific parts (vision pixels, MRoPE positions) from it. The plan's
+    ``prompt_token_ids`` are authoritative for the text stream.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    logprobs: LogprobParams
+    content_digest: str  # prefix identity of the prompt (tokens + media), from the Frontend
+    prepared_prompt: object | None = None
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The complete growth a materialization must reserve: prompt plus every allowed new token."""
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResourcePlan:
+    """A sealed, opaque materialization plan, bound to the Program's ``resource_revision``.
+
+    Only the Program that made it may start it (``owner``), and only while ``resource_revision`` is
+    unchanged. ``reserved`` states the reservation the plan will hold (for diagnostics);
+    ``reused_prefix_tokens`` the prompt positions a cache source will provide (0 without cache);
+    ``sealed`` is the Program's private payload, never read by the Engine.
+    """
+
+    owner: int
+    resource_revision: int
+    reserved: ResourceUsage
+    reused_prefix_tokens: int = 0
+    source_checkpoint: int | None = None  # CheckpointEntry.checkpoint_id, None for root (empty) source
+    sealed: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """Feasible in principle, not now: active incumbents hold what the request needs.
+
+    The request stays at the FIFO head; the Engine retries when a lane is released, a transition ends
+    or ``resource_revision`` changes. ``reason`` names the missing resource (for logs).
+    """
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Infeasible:
+    """The request can never run, even from the root source with every inactive cache released.
+
+    The Engine rejects only this request; ``reason`` must say what the user can change
+    (e.g. "needs 5000 KV positions, the KV pool holds 4096; lower max_tokens").
+    """
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunningTransaction:
+    """A started resource transition (today only materialization); ends in one ``finish`` or ``abort``.
+
+    Until it ends, the source named by the plan stays valid and the claim is held. ``sealed`` is private
+    to the Program.
+    """
+
+    owner: int
+    transaction_id: int
+    plan: ResourcePlan
+    sealed: object = None
+
+
+ResultKind = Literal["materialized", "aborted", "released", "retained"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceResult:
+    """The complete physical outcome of one transition, which the ResourceManager adopts as a whole.
+
+    - ``materialized``: ``handle`` is the new active sequence, ``reused_prefix_tokens`` prompt positions
+      came from a checkpoint (the remaining prompt suffix still needs prefill). It is always
+      ``< len(prompt)``: at least the last prompt token is prefilled, so the final prefill chunk can
+      sample the first token.
+    - ``aborted``: the transaction ended without a sequence; every claim and pin is released.
+    - ``released``: ``handle``'s sequence and its whole reservation are gone.
+    - ``retained``: (context cache, later) the sequence was turned into ``published`` checkpoints.
+    ``published``/``removed`` list checkpoint catalog changes (always empty today).
+    ``resource_revision`` is the Program's revision after the transition.
+    """
+
+    kind: ResultKind
+    resource_revision: int
+    handle: SequenceHandle | None = None
+    reused_prefix_tokens: int = 0
+    published: tuple[CheckpointEntry, ...] = ()
+    removed: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Execution: PrefillProgress | PendingBatch -> RowDecision[] -> commit / abort_pending
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob of one produced token, plus the top-n alternatives ``((token_id, logprob), ...)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """An intermediate prefill chunk: ``consumed`` prompt positions were committed directly (the prompt
+    is known, nothing is provisional); ``remaining`` prompt positions are still to prefill."""
+
+    consumed: int
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRow:
+    """One row of a PendingBatch: provisional tokens of one sequence.
+
+    ``tokens`` are the produced (provisional) tokens, ``produced == len(tokens) >= 1``;
+    ``base_frontier`` is the committed position the tokens start at (the Program turns Frontend-relative
+    boundary positions into absolute ones with it); ``logprobs`` has one entry per produced token when
+    the request asked for logprobs, else ``None`` (a ``force`` row may leave it ``None``: forced tokens
+    were not sampled, and the Engine reports them with logprob 0.0); ``accept_meta`` is Program-private
+    per-position metadata for the accepted-prefix commit (e.g. which speculative state to select).
+    """
+
+    handle: SequenceHandle
+    tokens: tuple[int, ...]
+    base_frontier: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    accept_meta: object = None
+
+    @property
+    def produced(self) -> int:
+        return len(self.tokens)
+
+
+PendingKind = Literal["prefill", "decode", "force"]
+
+
+class PendingBatch:
+    """Move-only result of one execution unit: frozen membership + provisional state.
+
+    Consumed whole by exactly one ``Program.commit(pending, decisions)`` or ``Program.abort_pending``;
+    the Program calls ``_consume()`` first thing in both, which raises on a second consumption. The
+    Engine never drops a row or keeps a batch across worker boundaries. ``provisional`` is the Program's
+    private provisional state (scratch slots, KV extents, RNG draws).
+    """
+
+    __slots__ = ("owner", "batch_id", "kind", "rows", "provisional", "_consumed")
+
+    def __init__(
+        self,
+        owner: int,
+        batch_id: int,
+        kind: PendingKind,
+        rows: Sequence[PendingRow],
+        provisional: object = None,
+    ) -> None:
+        if not rows:
+            raise ProgramInvariantError("a PendingBatch has at least one row")
+        self.owner = owner
+        self.batch_id = batch_id
+        self.kind: PendingKind = kind
+        self.rows: tuple[PendingRow, ...] = tuple(rows)
+        self.provisional = provisional
+        self._consumed = False
+
+    @property
+    def consumed(self) -> bool:
+        return self._consumed
+
+    def _consume(self) -> None:
+        """Mark the batch consumed; the Program calls this at the start of commit/abort_pending."""
+        if self._consumed:
+            raise ProgramInvariantError(f"PendingBatch {self.batch_id} consumed twice")
+        self._consumed = True
+
+    def __repr__(self) -> str:
+        return (
+            f"PendingBatch(id={self.batch_id}, kind={self.kind}, B={len(self.rows)}, "
+            f"consumed={self._consumed})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RowDecision:
+    """The Engine's disposition of one PendingBatch row, in row order.
+
+    ``accepted_tokens`` is the committed prefix length. ``terminal`` means the request ends after this
+    commit (stop, length, cancel); its sequence stays active until ``release``. ``cancelled`` rows accept
+    0 tokens and are terminal. ``boundaries`` are Frontend-marked reconstructible prefix boundaries,
+    relative to the row's ``base_frontier`` and within ``[1, accepted_tokens]`` (context cache seam).
+    """
+
+    handle: SequenceHandle
+    accepted_tokens: int
+    terminal: bool = False
+    cancelled: bool = False
+    boundaries: tuple[int, ...] = ()
+
+
+def validate_decisions(pending: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+    """Raise ``ProgramInvariantError`` unless ``decisions`` is a legal disposition of ``pending``.
+
+    Shared by the Engine (before commit) and the Program (inside commit) so both enforce one rule set.
+    """
+    if len(decisions) != len(pending.rows):
+        raise ProgramInvariantError(
+            f"batch {pending.batch_id}: {len(decisions)} decisions for {len(pending.rows)} rows"
+        )
+    for i, (row, decision) in enumerate(zip(pending.rows, decisions)):
+        where = f"batch {pending.batch_id} row {i}"
+        if decision.handle != row.handle:
+            raise ProgramInvariantError(f"{where}: decision for {decision.handle}, row is {row.handle}")
+        if decision.cancelled:
+            if decision.accepted_tokens != 0 or not decision.terminal:
+                raise ProgramInvariantError(f"{where}: a cancelled row accepts 0 tokens and is terminal")
+        else:
+            if not 1 <= decision.accepted_tokens <= row.produced:
+                raise ProgramInvariantError(
+                    f"{where}: accepted {decision.accepted_tokens} outside 1..{row.produced}"
+                )
+            if not decision.terminal and decision.accepted_tokens != row.produced:
+                raise ProgramInvariantError(f"{where}: a nonterminal row must accept all produced tokens")
+        for b in decision.boundaries:
+            if not 1 <= b <= decision.accepted_tokens:
+                raise ProgramInvariantError(f"{where}: boundary {b} outside the accepted span")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Program protocol (generation purpose) and the scoring protocol (causal_scoring purpose)
+# ---------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Program(Protocol):
+    """The physical execution entry of one exact target package (generation purpose).
+
+    Everything large (weights, State/KV pools, block tables, workspace, graphs) exists before the
+    Engine calls any method here. See the module docstring for the rules.
+    """
+
+    @property
+    def max_concurrency(self) -> int:
+        """Active sequences the Program was built for (the Engine's lanes; 1..8)."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (prompt + generated tokens) the Program can hold for one request."""
+        ...
+
+    @property
+    def page_size(self) -> int:
+        """KV positions per page (fixed at start)."""
+        ...
+
+    @property
+    def resource_revision(self) -> int:
+        """Advances on every transition that changes global allocation or topology."""
+        ...
+
+    def capacity(self) -> ResourceCapacity:
+        """Static capacity summary."""
+        ...
+
+    def usage(self) -> ResourceUsage:
+        """What is held right now (truthful; see rule 12)."""
+        ...
+
+    def plan_materialization(
+        self, request: RequestPlan, candidates: Sequence[CheckpointEntry] = ()
+    ) -> ResourcePlan | Blocked | Infeasible:
+        """Decide, without side effects, whether ``request`` can be materialized now.
+
+        Returns a sealed plan that reserves the request's complete growth (rule 3), ``Blocked`` when only
+        active incumbents stand in the way, or ``Infeasible`` when not even an empty Program (root source,
+        all inactive cache released) could run it. ``candidates`` are checkpoint sources the
+        ResourceManager offers, best first (empty today).
+        """
+        ...
+
+    def start(self, plan: ResourcePlan) -> RunningTransaction:
+        """Begin the transition: take the claim and reservation. Raises ``StalePlan`` (no side effect) if
+        ``plan.resource_revision`` is not current. At most one transaction is open at a time."""
+        ...
+
+    def poll(self, txn: RunningTransaction) -> bool:
+        """True once ``finish(txn)`` will not block (copies/transfers done). Never mutates claims."""
+        ...
+
+    def finish(self, txn: RunningTransaction) -> ResourceResult:
+        """Complete the transition: returns ``materialized`` with the new ``SequenceHandle`` (frontier =
+        ``reused_prefix_tokens``; the rest of the prompt still to prefill)."""
+        ...
+
+    def abort(self, txn: RunningTransaction) -> ResourceResult:
+        """Abandon the transition; returns ``aborted`` with every claim, pin and reservation undone."""
+        ...
+
+    def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
+        """Consume up to ``budget_tokens`` of the sequence's remaining prompt.
+
+        If the rest of the prompt does not fit, commit a chunk of exactly ``budget_tokens`` positions
+        directly and return ``PrefillProgress``. Otherwise run the final chunk and return a one-row
+        ``PendingBatch`` (kind ``prefill``) whose single token is the first sampled token; the final
+        chunk's prompt positions are part of its provisional state (commit keeps them even for a
+        cancelled row; abort_pending rolls the frontier back to before the chunk).
+        """
+        ...
+
+    def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
+        """Run one decode unit for exactly these rows (``B = len(handles)``, no padding).
+
+        ``budgets[i] >= 1`` caps the tokens row ``i`` may produce (remaining max_new_tokens); an ordinary
+        decode produces 1, a speculative backend up to ``min(K + 1, budget)``.
+        """
+        ...
+
+    def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
+        """Run Frontend-supplied tokens through the model for one sequence (kind ``force``): the row's
+        ``tokens`` equal ``tokens``, no sampler runs, the sampling RNG does not advance (rule 7)."""
+        ...
+
+    def commit(self, pending: PendingBatch, decisions: Sequence[RowDecision]) -> None:
+        """Consume ``pending`` and commit each row's accepted prefix atomically (rules 5, 6)."""
+        ...
+
+    def abort_pending(self, pending: PendingBatch) -> None:
+        """Consume ``pending`` and roll every row back to its state before the unit (rule 5)."""
+        ...
+
+    def release(self, handle: SequenceHandle) -> ResourceResult:
+        """End an active sequence: free its state slots, pages and reservation; ``released``."""
+        ...
+
+
+@runtime_checkable
+class BackfillProver(Protocol):
+    """Optional Program capability: prove a backfill past a blocked FIFO head is safe.
+
+    Without it the Engine never backfills. A proof must show that while ``borrower`` holds its complete
+    active reservation, the end of ``donors`` alone still lets ``head`` enter from the root source with all
+    inactive cache released; no timing assumption ("borrower finishes first") is allowed. The proof is
+    bound to the current ``resource_revision``; return ``None`` to refuse.
+    """
+
+    def prove_backfill(
+        self, head: RequestPlan, donors: Sequence[SequenceHandle], borrower: RequestPlan
+    ) -> ResourcePlan | None: ...
+
+
+@runtime_checkable
+class ScoringProgram(Protocol):
+    """The Program side of the causal_scoring purpose (CausalScoreCore calls it serially).
+
+    Each call runs one window on temporary, empty State and Main KV: no request, continuation,
+    checkpoint or cache entry survives it, and nothing the generation path uses is touched.
+    """
+
+    @property
+    def max_context(self) -> int:
+        """Longest window the Program can score."""
+        ...
+
+    def score_window(self, token_ids: Sequence[int]) -> Sequence[float]:
+        """Return ``len(token_ids) - 1`` logprobs: entry ``i`` is log p(token_ids[i+1] | token_ids[:i+1])."""
+        ...

@@ -1,0 +1,353 @@
+"""The public Engine facade and GenerationHandle.
+
+``Engine(artifact_path, config)`` opens the exact target package through ``ninfer.targets.open_target``
+(imported lazily, so this module stays free of torch and targets), then starts the worker. Tests and
+embedders that bring their own Program and Frontend use ``Engine.from_parts``.
+
+Generation requests are validated and prepared on the caller's thread (Frontend tokenization and chat
+template), then handed to the worker through a bounded ingress. Everything after that happens on the
+worker; the caller holds a ``GenerationHandle``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from types import TracebackType
+
+from ninfer.runtime.contract.frontend import FrontendLike, OutputOptions, PreparedPromptLike
+from ninfer.runtime.contract.types import LogprobParams, Program, RequestPlan, SamplingParams, ScoringProgram
+from ninfer.runtime.engine.engine_core import EngineCore
+from ninfer.runtime.engine.request_record import ResponseChannel
+from ninfer.runtime.scoring.core import CausalScoreCore
+from ninfer.types import (
+    Availability,
+    EngineConfig,
+    EngineFailed,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationResult,
+    RequestRejected,
+    ScoreResult,
+)
+
+WARMUP_PROMPT = "Hello"
+WARMUP_MAX_TOKENS = 2
+
+
+class GenerationHandle:
+    """The caller's side of one request: iterate events (sync or async, same queue), ``result()``,
+    ``cancel()``. Closing it, leaving its ``with`` block, or dropping it (garbage collection) releases
+    the consumer side and cancels the request if it is still running."""
+
+    def __init__(self, channel: ResponseChannel) -> None:
+        self._channel = channel
+        self.request_id = channel.request_id
+        # the finalizer holds the channel, never the handle, so the handle can be collected
+        self._release = weakref.finalize(self, channel.abandon)
+
+    # ---- events ----
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        event = self._channel.get()
+        if event is None:
+            raise StopIteration
+        return event
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        event = await self._channel.aget()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    # ---- result ----
+    def result(self, timeout: float | None = None, *, raise_on_error: bool = True) -> GenerationResult:
+        """Wait for the terminal result (consuming remaining events). With ``raise_on_error`` an
+        ``error`` result raises its ``RequestRejected``/``EngineFailed`` instead of returning."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            event = self._channel.get(remaining)  # None: the final result was already taken
+            if event is None or isinstance(event, GenerationResult):
+                break
+        final = self._channel.final
+        assert final is not None
+        if raise_on_error and final.error is not None:
+            raise final.error
+        return final
+
+    async def aresult(self, *, raise_on_error: bool = True) -> GenerationResult:
+        async for _ in self:
+            pass
+        final = self._channel.final
+        assert final is not None
+        if raise_on_error and final.error is not None:
+            raise final.error
+        return final
+
+    @property
+    def done(self) -> bool:
+        """The worker formed the final result (it may not have been consumed yet)."""
+        return self._channel.response_done
+
+    # ---- consumer release ----
+    def cancel(self) -> None:
+        """Ask the worker to stop this request at its next boundary (finish_reason ``cancelled``)."""
+        self._channel.cancel()
+
+    def close(self) -> None:
+        """Release the consumer side (cancels the request if it is still running). Idempotent."""
+        self._release()
+
+    def __enter__(self) -> GenerationHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Engine:
+    """One resident model behind one worker: submit generation requests, or score texts.
+
+    The purpose (``EngineConfig.purpose``) is fixed at construction. ``availability`` says whether the
+    Engine is starting, warming, ready, failed (with the reason) or closed.
+    """
+
+    def __init__(self, artifact_path: str | os.PathLike[str], config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        from ninfer.targets import open_target  # lazy: the only place the Engine meets a target
+
+        opened = open_target(artifact_path, config)
+        self._setup(opened.program, opened.frontend, config, opened.package_name, None, True)
+
+    @classmethod
+    def from_parts(
+        cls,
+        program: Program | ScoringProgram,
+        frontend: FrontendLike,
+        config: EngineConfig | None = None,
+        *,
+        package_name: str = "",
+        clock: Callable[[], float] | None = None,
+        start_worker: bool = True,
+    ) -> Engine:
+        """Build an Engine around an existing Program and Frontend (tests, embedding).
+
+        With ``start_worker=False`` no thread runs: the caller drives ``engine.core.step()`` itself,
+        which makes schedules deterministic; warmup is then skipped.
+        """
+        engine = cls.__new__(cls)
+        engine._setup(program, frontend, config or EngineConfig(), package_name, clock, start_worker)
+        return engine
+
+    def _setup(
+        self,
+        program: Program | ScoringProgram,
+        frontend: FrontendLike,
+        config: EngineConfig,
+        package_name: str,
+        clock: Callable[[], float] | None,
+        start_worker: bool,
+    ) -> None:
+        self.config = config
+        self.package_name = package_name
+        self._frontend = frontend
+        self._core: EngineCore | None = None
+        self._scorer: CausalScoreCore | None = None
+        self._score_lock = threading.Lock()
+        self._scoring_availability = Availability("starting")
+        program_context = program.max_context
+        if config.max_context is not None and config.max_context > program_context:
+            raise ValueError(
+                f"max_context={config.max_context} exceeds what the Program holds ({program_context})"
+            )
+        self.max_context = config.max_context or program_context
+        if config.purpose == "causal_scoring":
+            if not isinstance(program, ScoringProgram):
+                raise TypeError("a causal_scoring Engine needs a Program with score_window()")
+            self._scorer = CausalScoreCore(program, config.score_window, config.score_stride)
+            self._scoring_availability = Availability("ready")
+            return
+        if not isinstance(program, Program):
+            raise TypeError("a generation Engine needs a Program implementing the runtime contract")
+        core = EngineCore(program, config, max_context=self.max_context, clock=clock or time.monotonic)
+        self._core = core
+        if not start_worker:
+            core.set_availability("ready")
+            return
+        core.start_thread()
+        if config.warmup:
+            core.set_availability("warming")
+            # the same public path as any request; the (future) context cache is off for it
+            handle = self.submit(
+                GenerationRequest(prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0)
+            )
+            with handle:
+                handle.result(raise_on_error=False)
+        core.set_availability("ready")
+
+    # ---- state ----
+    @property
+    def frontend(self) -> FrontendLike:
+        """The package's Frontend (tokenizer, chat template, generation defaults), for gateways."""
+        return self._frontend
+
+    @property
+    def availability(self) -> Availability:
+        if self._core is None:
+            return self._scoring_availability
+        return self._core.availability
+
+    @property
+    def core(self) -> EngineCore:
+        """The worker core (tests drive ``step()`` on it when built with ``start_worker=False``)."""
+        if self._core is None:
+            raise RequestRejected("wrong_purpose", "a causal_scoring Engine has no generation worker")
+        return self._core
+
+    # ---- generation ----
+    def submit(self, request: GenerationRequest) -> GenerationHandle:
+        """Validate, prepare and enqueue a request. Raises ``RequestRejected`` at once for an invalid or
+        too-long request or a full queue, ``EngineFailed`` after an Engine failure."""
+        if self._core is None:
+            raise RequestRejected(
+                "wrong_purpose",
+                "this Engine was started for causal_scoring; use Engine.score(), or start an Engine with "
+                "purpose='generation' to generate",
+            )
+        problems = request.problems()
+        if problems:
+            raise RequestRejected("invalid_request", "; ".join(problems))
+        prompt = self._prepare(request)
+        plan = self._plan(request, prompt)
+        session = self._frontend.new_output_session(prompt, self._output_options(request, prompt))
+        return GenerationHandle(self._core.submit(prompt, session, plan))
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> GenerationResult:
+        """Submit and wait; raises the request's error if it ends with one."""
+        with self.submit(request) as handle:
+            return handle.result(timeout)
+
+    def _prepare(self, request: GenerationRequest) -> PreparedPromptLike:
+        try:
+            if request.messages is not None:
+                return self._frontend.prepare_chat(
+                    request.messages, tools=request.tools, **dict(request.chat_template_kwargs)
+                )
+            if isinstance(request.prompt, str):
+                return self._frontend.prepare_text(request.prompt)
+            assert request.prompt is not None
+            return self._frontend.prepare_tokens(list(request.prompt))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RequestRejected("invalid_request", f"the prompt cannot be prepared: {exc}") from exc
+
+    def _plan(self, request: GenerationRequest, prompt: PreparedPromptLike) -> RequestPlan:
+        n = len(prompt.token_ids)
+        ctx = self.max_context
+        if n == 0:
+            raise RequestRejected("invalid_request", "the prepared prompt has no tokens; give some input")
+        if n >= ctx:
+            raise RequestRejected(
+                "context_too_long",
+                f"the prompt has {n} tokens but max_context is {ctx} (prompt plus at least one generated "
+                "token); shorten the prompt or start the Engine with a larger max_context",
+            )
+        max_new = request.max_tokens if request.max_tokens is not None else ctx - n
+        if n + max_new > ctx:
+            raise RequestRejected(
+                "context_too_long",
+                f"the prompt ({n} tokens) plus max_tokens ({max_new}) exceeds max_context ({ctx}); "
+                f"lower max_tokens to at most {ctx - n} or shorten the prompt",
+            )
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        return RequestPlan(
+            prompt_token_ids=tuple(prompt.token_ids),
+            max_new_tokens=max_new,
+            sampling=SamplingParams(
+                seed=seed,
+                temperature=float(request.temperature),
+                top_p=float(request.top_p),
+                top_k=max(0, request.top_k),
+                min_p=float(request.min_p),
+                presence_penalty=float(request.presence_penalty),
+                frequency_penalty=float(request.frequency_penalty),
+                repetition_penalty=float(request.repetition_penalty),
+            ),
+            logprobs=LogprobParams(enabled=request.logprobs, top_n=request.top_logprobs),
+            content_digest=prompt.digest,
+            prepared_prompt=prompt,
+        )
+
+    @staticmethod
+    def _output_options(request: GenerationRequest, prompt: PreparedPromptLike) -> OutputOptions:
+        chat = request.messages is not None
+        return OutputOptions(
+            stop_strings=request.stop_strings(),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            include_stop_str=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            parse_reasoning=chat or prompt.opens_thinking,
+            parse_tool_calls=bool(request.tools),
+            thinking_budget=request.thinking_budget,
+        )
+
+    # ---- scoring ----
+    def score(self, texts: Sequence[str | Sequence[int]]) -> list[ScoreResult]:
+        """Causal log-probabilities of each text (or token-id list), windowed as in EngineConfig."""
+        if self._scorer is None:
+            raise RequestRejected(
+                "wrong_purpose",
+                "this Engine was started for generation; start one with purpose='causal_scoring' to score",
+            )
+        with self._score_lock:
+            if self._scoring_availability.state != "ready":
+                raise EngineFailed(f"the Engine is {self._scoring_availability.state}: "
+                                   f"{self._scoring_availability.reason}")
+            out: list[ScoreResult] = []
+            for text in texts:
+                try:
+                    ids = (
+                        self._frontend.prepare_text(text).token_ids
+                        if isinstance(text, str)
+                        else self._frontend.prepare_tokens(list(text)).token_ids
+                    )
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise RequestRejected("invalid_request", f"text cannot be tokenized: {exc}") from exc
+                try:
+                    out.append(self._scorer.score(ids))
+                except Exception as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
+                    self._scoring_availability = Availability("failed", reason)
+                    raise EngineFailed(f"the Engine failed while scoring: {reason}") from exc
+            return out
+
+    # ---- lifecycle ----
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop accepting requests, cancel outstanding ones and join the worker."""
+        if self._core is None:
+            self._scoring_availability = Availability("closed")
+            return
+        self._core.close()
+        thread = self._core.thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,642 @@
+"""EngineCore: the one worker that owns request records, Scheduler, ResourceManager and the Program.
+
+Other threads reach it only through ``submit`` (a bounded ingress), the per-request ``ResponseChannel``
+(cancellation flag, events) and ``close``. ``step()`` runs one worker boundary; the threaded worker
+just loops it, and tests call it directly for deterministic, reproducible schedules.
+
+One worker boundary, in this order (docs/engine.md, "Worker boundary"):
+ 1. take new submissions; end waiting requests that timed out or were cancelled;
+ 2. advance the open resource transition (abort it if its request was cancelled);
+ 3. settle TerminalPending requests (release, adopt, free the lane, complete the response);
+ 4. freeze the cancellation snapshot of active requests (they go TerminalPending);
+ 5. attempt one admission when the gates allow;
+ 6. choose the staged prefill, one forced control, or the compact decode round;
+ 7. run at most one model execution unit;
+ 8. commit model state, terminal resources, budget, then Frontend output state;
+ 9. publish response events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ninfer.runtime.contract.frontend import OutputPreviewLike, OutputSessionLike, PreparedPromptLike
+from ninfer.runtime.contract.types import (
+    BackfillProver,
+    Blocked,
+    Infeasible,
+    PendingBatch,
+    PrefillProgress,
+    Program,
+    RequestPlan,
+    ResourcePlan,
+    RowDecision,
+    SequenceHandle,
+    StalePlan,
+    TokenLogprob,
+    validate_decisions,
+)
+from ninfer.runtime.engine.admission_policy import AdmissionPolicy
+from ninfer.runtime.engine.request_record import (
+    ACTIVE_STATES,
+    RequestRecord,
+    RequestState,
+    ResponseChannel,
+)
+from ninfer.runtime.engine.resource_manager import EngineInvariantError, Lane, ResourceManager
+from ninfer.runtime.engine.scheduler import Scheduler, Unit, UnitKind
+from ninfer.types import (
+    Availability,
+    EngineConfig,
+    EngineFailed,
+    FinishReason,
+    GenerationDelta,
+    NInferError,
+    RequestRejected,
+    ToolCallDelta,
+)
+
+log = logging.getLogger("ninfer.engine")
+
+# while a resource transition is in flight the idle worker polls it this often (seconds)
+TRANSITION_POLL_S = 0.001
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A read-only summary of the worker's state, taken on the worker (for tests and diagnostics)."""
+
+    states: dict[int, RequestState]  # every unfinished request
+    waiting: tuple[int, ...]  # FIFO order
+    staged_prefill: int | None
+    transition: int | None
+    lanes: tuple[Lane, ...]
+    protected_head: int | None
+    donors: frozenset[int]
+
+
+StepObserver = Callable[["EngineCore", Unit], None]
+
+
+class EngineCore:
+    """The Engine worker (see module docstring). Construct, then ``start_thread()`` or call ``step()``."""
+
+    def __init__(
+        self,
+        program: Program,
+        config: EngineConfig,
+        *,
+        max_context: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if program.max_concurrency < config.max_concurrency:
+            raise ValueError(
+                f"the Program was built for {program.max_concurrency} active sequences, "
+                f"config asks max_concurrency={config.max_concurrency}"
+            )
+        self._program = program
+        self._config = config
+        self.max_context = max_context
+        self._clock = clock
+        # ---- shared with other threads (guarded by _lock) ----
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._wake_pending = False
+        self._ingress: deque[RequestRecord] = deque()
+        self._channels: dict[int, ResponseChannel] = {}
+        self._outstanding = 0
+        self._capacity_limit = config.max_concurrency + config.queue_capacity
+        self._next_order = 1
+        self._failed_reason: str | None = None
+        self._closing = False
+        self._availability = Availability("starting")
+        self._thread: threading.Thread | None = None
+        # ---- owned by the worker ----
+        self._scheduler = Scheduler()
+        self._rm = ResourceManager(program, config.max_concurrency)
+        prover = program if isinstance(program, BackfillProver) else None
+        self._admission = AdmissionPolicy(prover)
+        self._live: dict[int, RequestRecord] = {}  # every accepted, unfinished request
+        self._laned: dict[int, RequestRecord] = {}  # requests holding a lane
+        self._open_batch: PendingBatch | None = None
+        self.observer: StepObserver | None = None
+        self.units_run = 0
+        self.baseline = program.usage()
+
+    # =================================================================================================
+    # Any thread
+    # =================================================================================================
+
+    @property
+    def availability(self) -> Availability:
+        with self._lock:
+            return self._availability
+
+    def set_availability(self, state: str, reason: str | None = None) -> None:
+        """Lifecycle transitions driven by the facade (warming, ready); a failure is never overwritten."""
+        with self._lock:
+            if self._availability.state not in ("failed", "closed"):
+                self._availability = Availability(state, reason)  # type: ignore[arg-type]
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return self._outstanding
+
+    @property
+    def failed(self) -> bool:
+        with self._lock:
+            return self._failed_reason is not None
+
+    def submit(
+        self,
+        prompt: PreparedPromptLike,
+        session: OutputSessionLike,
+        plan: RequestPlan,
+    ) -> ResponseChannel:
+        """Accept a prepared request into the bounded ingress, or reject it at once (overload/failure)."""
+        with self._lock:
+            if self._failed_reason is not None:
+                raise EngineFailed(f"the Engine failed and accepts no requests: {self._failed_reason}")
+            if self._closing:
+                raise EngineFailed("the Engine is closed and accepts no requests")
+            if self._outstanding >= self._capacity_limit:
+                raise RequestRejected(
+                    "overload",
+                    f"the Engine is full: {self._outstanding} requests outstanding (max_concurrency "
+                    f"{self._config.max_concurrency} + queue_capacity {self._config.queue_capacity}); "
+                    "retry later, or start the Engine with a larger queue_capacity",
+                )
+            order = self._next_order
+            self._next_order += 1
+            self._outstanding += 1
+            channel = ResponseChannel(order, self._release_capacity, self._wake_worker)
+            timeout = self._config.queue_timeout_s
+            record = RequestRecord(
+                request_id=order,
+                publication_order=order,
+                prompt=prompt,
+                session=session,
+                plan=plan,
+                channel=channel,
+                deadline=None if timeout is None else self._clock() + timeout,
+            )
+            self._ingress.append(record)
+            self._channels[order] = channel
+            self._wake_pending = True
+            self._wake.notify()
+        return channel
+
+    def _release_capacity(self, request_id: int) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            self._channels.pop(request_id, None)
+
+    def _wake_worker(self) -> None:
+        with self._lock:
+            self._wake_pending = True
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop accepting requests and cancel every outstanding one; the worker exits once all ended."""
+        with self._lock:
+            self._closing = True
+            channels = list(self._channels.values())
+            self._wake_pending = True
+            self._wake.notify()
+        for channel in channels:
+            channel.cancel()
+
+    # ---- threaded worker ----
+    def start_thread(self) -> threading.Thread:
+        self._thread = threading.Thread(target=self.run_forever, name="ninfer-engine-worker", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def run_forever(self) -> None:
+        """The worker loop: step until failed, or closed with nothing left; sleep when idle."""
+        while True:
+            did_work = self.step()
+            with self._lock:
+                if self._failed_reason is not None:
+                    return
+                if self._closing and not self._live and not self._ingress:
+                    self._availability = Availability("closed")
+                    return
+                if did_work or self._wake_pending:
+                    continue
+                self._wake.wait(self._idle_timeout())
+
+    def _idle_timeout(self) -> float | None:
+        """How long the idle worker may sleep: until a queue deadline, or briefly to poll a transition."""
+        if self._rm.transition is not None:
+            return TRANSITION_POLL_S
+        deadlines = [r.deadline for r in self._scheduler.waiting if r.deadline is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - self._clock())
+
+    # =================================================================================================
+    # Worker thread only
+    # =================================================================================================
+
+    def step(self) -> bool:
+        """Run one worker boundary. Returns whether anything happened. Never raises: any Program error
+        or broken invariant fails the Engine as a whole (see ``_fail``)."""
+        if self.failed:
+            return False
+        try:
+            return self._boundary()
+        except Exception as exc:  # noqa: BLE001 - every unexpected error is an Engine-wide failure
+            log.exception("Engine failure")
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return True
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            states={rid: r.state for rid, r in self._live.items()},
+            waiting=tuple(r.request_id for r in self._scheduler.waiting),
+            staged_prefill=self._scheduler.staged.request_id if self._scheduler.staged else None,
+            transition=self._rm.transition.request_id if self._rm.transition else None,
+            lanes=tuple(Lane(lane.index, lane.state, lane.request_id) for lane in self._rm.lanes),
+            protected_head=self._scheduler.protected_head,
+            donors=self._scheduler.donors,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """No request anywhere in the worker or its ingress."""
+        with self._lock:
+            return not self._live and not self._ingress
+
+    def _boundary(self) -> bool:
+        did = self._ingest(self._clock())
+        did |= self._advance_transition()
+        did |= self._settle_terminal()
+        did |= self._freeze_cancellations()
+        did |= self._try_admit()
+        unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
+        if unit is not None:
+            if self.observer is not None:
+                self.observer(self, unit)
+            self._run(unit)
+            self.units_run += 1
+            did = True
+        return did
+
+    # ---- 1. ingress, waiting timeouts and cancellations ----
+    def _ingest(self, now: float) -> bool:
+        with self._lock:
+            arrived = list(self._ingress)
+            self._ingress.clear()
+            self._wake_pending = False
+        for record in arrived:
+            self._live[record.request_id] = record
+            self._scheduler.enqueue(record)
+            self._admission.invalidate()
+        did = bool(arrived)
+        for record in self._scheduler.waiting:
+            if record.channel.cancel_requested:
+                self._scheduler.take(record)
+                self._finish(record, "cancelled")
+            elif record.deadline is not None and now >= record.deadline:
+                self._scheduler.take(record)
+                self._finish(
+                    record,
+                    "error",
+                    RequestRejected(
+                        "queue_timeout",
+                        f"request waited more than queue_timeout_s={self._config.queue_timeout_s} s for "
+                        "admission; retry when the Engine is less busy, lower max_tokens, or start it "
+                        "with a larger queue_timeout_s",
+                    ),
+                )
+            else:
+                continue
+            self._admission.invalidate()
+            did = True
+        return did
+
+    # ---- 2. the open resource transition ----
+    def _advance_transition(self) -> bool:
+        record = self._rm.transition
+        if record is None:
+            return False
+        if record.channel.cancel_requested:
+            self._rm.abort(record)
+            self._laned.pop(record.request_id)
+            self._scheduler.unstage(record)
+            self._admission.invalidate()
+            self._finish(record, "cancelled")
+            return True
+        if self._rm.transition_ready():
+            self._activate(record)
+            return True
+        return False
+
+    def _activate(self, record: RequestRecord) -> None:
+        """Adopt the finished materialization: the request is Active and its start is published."""
+        self._rm.complete(record)
+        record.prompt_remaining = len(record.plan.prompt_token_ids) - record.reused_prefix_tokens
+        record.state = RequestState.PREFILL
+        self._admission.invalidate()
+        record.channel.publish(record.start_event())
+
+    # ---- 3. TerminalPending ----
+    def _settle_terminal(self) -> bool:
+        settled = [r for r in self._laned.values() if r.state is RequestState.TERMINAL_PENDING]
+        for record in settled:
+            self._release(record)
+            self._finish(record, record.finish_reason or "cancelled")
+        return bool(settled)
+
+    def _release(self, record: RequestRecord) -> None:
+        self._rm.release(record)
+        self._laned.pop(record.request_id)
+        self._admission.invalidate()
+
+    def _enter_terminal(self, record: RequestRecord, reason: FinishReason) -> None:
+        self._rm.enter_terminal(record)
+        record.state = RequestState.TERMINAL_PENDING
+        record.finish_reason = reason
+        record.pending_force = ()
+        if self._scheduler.staged is record:
+            self._scheduler.unstage(record)
+            self._admission.invalidate()
+
+    # ---- 4. cancellation snapshot ----
+    def _freeze_cancellations(self) -> bool:
+        cancelled = [
+            r for r in self._laned.values() if r.state in ACTIVE_STATES and r.channel.cancel_requested
+        ]
+        for record in cancelled:
+            self._enter_terminal(record, "cancelled")
+        return bool(cancelled)
+
+    # ---- 5. admission ----
+    def _try_admit(self) -> bool:
+        head = self._scheduler.head()
+        if head is None or not self._admission.should_attempt(
+            has_waiting=True,
+            lane_free=self._rm.free_lane() is not None,
+            transition_in_flight=self._rm.transition is not None,
+            staged_prefill_busy=self._scheduler.staged is not None,
+            resource_revision=self._program.resource_revision,
+        ):
+            return False
+        for _attempt in range(2):  # a plan found stale at start is re-planned once
+            outcome = self._rm.plan(head)
+            if isinstance(outcome, Infeasible):
+                self._scheduler.take(head)
+                self._admission.attempted(blocked=False, resource_revision=self._program.resource_revision)
+                self._finish(head, "error", RequestRejected("infeasible", outcome.reason))
+                return True
+            if isinstance(outcome, Blocked):
+                if not self._laned:
+                    raise EngineInvariantError(
+                        f"the Program reports Blocked ({outcome.reason}) with no active incumbent; "
+                        "it must answer Infeasible"
+                    )
+                self._scheduler.protect(head, self._laned.keys())
+                self._admission.attempted(blocked=True, resource_revision=self._program.resource_revision)
+                return self._try_backfill(head)
+            if self._begin_materialization(head, outcome):
+                return True
+        # nothing ran between planning and start, so a second stale plan means the Program's revision
+        # moves on its own: no admission could ever succeed, which must not become a silent wait
+        raise EngineInvariantError("a freshly sealed plan was stale twice in one boundary")
+
+    def _begin_materialization(self, record: RequestRecord, plan: ResourcePlan) -> bool:
+        try:
+            self._rm.begin(record, plan)
+        except StalePlan:
+            return False
+        self._scheduler.take(record)
+        self._scheduler.stage(record)
+        record.state = RequestState.MATERIALIZING
+        self._laned[record.request_id] = record
+        self._admission.attempted(blocked=False, resource_revision=self._program.resource_revision)
+        if self._rm.transition_ready():  # a transition that needs no copy completes in this boundary
+            self._activate(record)
+        return True
+
+    def _try_backfill(self, head: RequestRecord) -> bool:
+        """Admit the request behind a blocked head only with the Program's proof (never otherwise)."""
+        borrower = self._scheduler.behind_head()
+        if borrower is None or not self._admission.can_backfill:
+            return False
+        donors = [r.handle for r in self._laned.values() if r.handle is not None]
+        proof = self._admission.prove_backfill(head.plan, donors, borrower.plan)
+        if proof is None:
+            return False
+        return self._begin_materialization(borrower, proof)
+
+    # ---- 6-9. one execution unit ----
+    def _run(self, unit: Unit) -> None:
+        if unit.kind is UnitKind.PREFILL:
+            self._run_prefill(unit.members[0])
+        elif unit.kind is UnitKind.CONTROL:
+            record = unit.members[0]
+            handle = self._handle(record)
+            batch = self._program.force(handle, record.pending_force)
+            self._open_batch = batch
+            if batch.kind != "force" or len(batch.rows) != 1 or batch.rows[0].handle != handle:
+                raise EngineInvariantError(f"force returned a mismatched batch {batch!r}")
+            if batch.rows[0].tokens != record.pending_force:
+                raise EngineInvariantError("force produced tokens other than the forced ones")
+            self._commit_unit(batch, unit.members)
+        else:
+            handles = [self._handle(r) for r in unit.members]
+            budgets = [r.remaining_budget for r in unit.members]
+            batch = self._program.decode(handles, budgets)
+            self._open_batch = batch
+            if batch.kind != "decode" or [row.handle for row in batch.rows] != handles:
+                raise EngineInvariantError(f"decode returned a batch whose membership differs: {batch!r}")
+            for row, budget in zip(batch.rows, budgets):
+                if not 1 <= row.produced <= budget:
+                    raise EngineInvariantError(f"decode produced {row.produced} tokens, budget {budget}")
+            self._commit_unit(batch, unit.members)
+
+    def _run_prefill(self, record: RequestRecord) -> None:
+        handle = self._handle(record)
+        budget = self._config.prefill_chunk_tokens
+        out = self._program.prefill(handle, budget)
+        if isinstance(out, PrefillProgress):
+            expected_left = record.prompt_remaining - budget
+            if out.consumed != budget or out.remaining != expected_left or out.remaining < 1:
+                raise EngineInvariantError(
+                    f"prefill chunk consumed {out.consumed} leaving {out.remaining}; expected {budget} of "
+                    f"{record.prompt_remaining} with some left"
+                )
+            record.prompt_remaining = out.remaining
+            return
+        self._open_batch = out
+        if out.kind != "prefill" or len(out.rows) != 1 or out.rows[0].handle != handle:
+            raise EngineInvariantError(f"prefill returned a mismatched batch {out!r}")
+        if out.rows[0].produced != 1 or record.prompt_remaining > budget:
+            raise EngineInvariantError("the final prefill chunk yields exactly the first sampled token")
+        self._commit_unit(out, (record,))
+
+    def _handle(self, record: RequestRecord) -> SequenceHandle:
+        if record.handle is None:
+            raise EngineInvariantError(f"active request {record.request_id} has no sequence handle")
+        return record.handle
+
+    def _commit_unit(self, batch: PendingBatch, members: tuple[RequestRecord, ...]) -> None:
+        """Preview -> Program commit -> terminal resources -> budget -> OutputSession commit -> publish."""
+        previews: list[OutputPreviewLike | None] = []
+        decisions: list[RowDecision] = []
+        reasons: list[FinishReason | None] = []
+        for row, record in zip(batch.rows, members):
+            if record.channel.cancel_requested:  # observed while the unit ran: a cancelled row
+                previews.append(None)
+                decisions.append(RowDecision(row.handle, 0, terminal=True, cancelled=True))
+                reasons.append("cancelled")
+                continue
+            preview = record.session.preview(row.tokens)
+            accepted = preview.accepted
+            if not 1 <= accepted <= row.produced or (accepted < row.produced and not preview.stop):
+                raise EngineInvariantError(
+                    f"Frontend preview accepted {accepted} of {row.produced} tokens (stop={preview.stop})"
+                )
+            if record.plan.logprobs.enabled and batch.kind != "force" and (
+                row.logprobs is None or len(row.logprobs) != row.produced
+            ):
+                raise EngineInvariantError("a row of a logprob request lacks one logprob per token")
+            reason: FinishReason | None = None
+            if preview.stop:
+                reason = "stop"
+            elif record.generated + accepted >= record.max_new_tokens:
+                reason = "length"
+            previews.append(preview)
+            decisions.append(RowDecision(row.handle, accepted, terminal=reason is not None))
+            reasons.append(reason)
+        validate_decisions(batch, decisions)
+
+        # Program commits the accepted model state first; nothing is visible before this succeeds.
+        self._program.commit(batch, decisions)
+        self._open_batch = None
+
+        # terminal resource results, adopted before any lane or output change becomes visible
+        for record, reason in zip(members, reasons):
+            if reason is not None:
+                self._enter_terminal(record, reason)
+                self._release(record)
+
+        # generation budget and scheduler accounting
+        for record, decision, preview, reason in zip(members, decisions, previews, reasons):
+            record.generated += decision.accepted_tokens
+            if record.state is RequestState.PREFILL:
+                record.prompt_remaining = 0
+                self._scheduler.unstage(record)
+                self._admission.invalidate()
+            if reason is None:
+                assert preview is not None
+                force = tuple(preview.force_tokens)[: record.remaining_budget]
+                record.pending_force = force
+                record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY
+
+        # OutputSession commits, then publication
+        for row, record, decision, preview, reason in zip(batch.rows, members, decisions, previews, reasons):
+            if preview is not None:
+                out = record.session.commit(preview)
+                record.output_touched = True
+                accepted = decision.accepted_tokens
+                logprobs = None
+                if record.plan.logprobs.enabled:
+                    logprobs = tuple(
+                        row.logprobs[:accepted]
+                        if row.logprobs is not None
+                        else (TokenLogprob(t, 0.0) for t in row.tokens[:accepted])  # forced: not sampled
+                    )
+                delta = GenerationDelta(
+                    request_id=record.request_id,
+                    text=out.text,
+                    reasoning_text=out.reasoning_text,
+                    tool_calls=tuple(
+                        ToolCallDelta(tc.index, tc.id, tc.name, tc.arguments) for tc in out.tool_calls
+                    ),
+                    token_ids=tuple(row.tokens[:accepted]),
+                    logprobs=logprobs,
+                )
+                record.record_delta(delta)
+                record.channel.publish(delta)
+            if reason is not None:
+                self._finish(record, reason)
+
+    # ---- completion ----
+    def _finish(self, record: RequestRecord, reason: FinishReason, error: NInferError | None = None) -> None:
+        """Complete the response: flush held-back output (not on error), publish the one result."""
+        if reason != "error" and record.output_touched:
+            tail = record.session.finish()
+            if tail.text or tail.reasoning_text or tail.tool_calls:
+                delta = GenerationDelta(
+                    request_id=record.request_id,
+                    text=tail.text,
+                    reasoning_text=tail.reasoning_text,
+                    tool_calls=tuple(
+                        ToolCallDelta(tc.index, tc.id, tc.name, tc.arguments) for tc in tail.tool_calls
+                    ),
+                )
+                record.record_delta(delta)
+                record.channel.publish(delta)
+        record.finish_reason = reason
+        record.error = error
+        record.state = RequestState.FINISHED
+        self._live.pop(record.request_id, None)
+        record.channel.publish(record.result())
+
+    # ---- Engine-wide failure ----
+    def _fail(self, reason: str) -> None:
+        """Fail the Engine: abort Program transactions, release active state, clear the ResourceManager,
+        then complete every outstanding response with ``EngineFailed``. The Program is not trusted any
+        more, so every cleanup call is best-effort and its errors are only logged."""
+        with self._lock:
+            if self._failed_reason is not None:
+                return
+            self._failed_reason = reason
+            self._availability = Availability("failed", reason)
+            arrived = list(self._ingress)
+            self._ingress.clear()
+            self._wake.notify_all()
+        for record in arrived:
+            self._live[record.request_id] = record
+
+        def best_effort(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                log.warning("cleanup after Engine failure: %s failed", what, exc_info=True)
+
+        batch = self._open_batch
+        self._open_batch = None
+        if batch is not None and not batch.consumed:
+            best_effort("abort_pending", lambda: self._program.abort_pending(batch))
+        txn_owner = self._rm.transition
+        if txn_owner is not None and txn_owner.txn is not None:
+            txn = txn_owner.txn
+            best_effort("abort transaction", lambda: self._program.abort(txn))
+        for record in list(self._laned.values()):
+            handle = record.handle
+            if handle is not None:
+                best_effort("release", lambda h=handle: self._program.release(h))
+        self._rm.clear()
+        self._scheduler.clear()
+        self._laned.clear()
+        error = EngineFailed(f"the Engine failed and serves no more requests: {reason}")
+        for record in sorted(self._live.values(), key=lambda r: r.publication_order):
+            record.finish_reason = "error"
+            record.error = error
+            record.state = RequestState.FINISHED
+            if not record.channel.response_done:
+                best_effort("publish", lambda r=record: r.channel.publish(r.result()))
+        self._live.clear()

@@ -1,0 +1,347 @@
+"""Public owning values of the NInfer Engine: configuration, requests, events, results and errors.
+
+Everything here is a plain immutable value (no torch, no threads), so gateways can build and read them
+freely. The Engine itself (``ninfer.Engine``) and ``GenerationHandle`` live in ``ninfer.runtime.engine``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ninfer.runtime.contract.types import TokenLogprob
+
+__all__ = [
+    "Availability",
+    "EngineConfig",
+    "EngineFailed",
+    "FinishReason",
+    "GenerationDelta",
+    "GenerationEvent",
+    "GenerationRequest",
+    "GenerationResult",
+    "GenerationStart",
+    "NInferError",
+    "RejectKind",
+    "RequestRejected",
+    "ScoreResult",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "Usage",
+]
+
+Purpose = Literal["generation", "causal_scoring"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+MAX_CONCURRENCY_LIMIT = 8
+MAX_TOP_LOGPROBS = 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything fixed when an Engine starts. Invalid values raise ``ValueError`` naming the field.
+
+    - ``purpose``: ``generation`` (requests, streaming) or ``causal_scoring`` (``Engine.score`` only);
+      fixed for the Engine's life.
+    - ``max_concurrency``: active requests at once (1..8); the KV pool is shared, not split per lane.
+    - ``queue_capacity``: waiting requests beyond the active ones; a submit beyond
+      ``max_concurrency + queue_capacity`` outstanding requests is rejected at once (overload).
+    - ``queue_timeout_s``: longest wait for admission; ``None`` waits forever.
+    - ``max_context``: longest prompt + generated tokens of one request; ``None`` takes the Program's.
+    - ``device``/``dtype``: where and in which compute dtype the Program runs (``auto`` picks CUDA when
+      present, and the artifact's storage dtype).
+    - ``page_size``: KV positions per page; ``prefill_chunk_tokens``: prompt tokens per prefill unit, so
+      a long prompt interleaves with decode rounds.
+    - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
+    - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
+    """
+
+    purpose: Purpose = "generation"
+    max_concurrency: int = 4
+    queue_capacity: int = 64
+    queue_timeout_s: float | None = 600.0
+    max_context: int | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    page_size: int = 64
+    prefill_chunk_tokens: int = 2048
+    cuda_graphs: bool = True
+    warmup: bool = True
+    score_window: int = 2048
+    score_stride: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.purpose not in ("generation", "causal_scoring"):
+            raise ValueError(f"purpose must be 'generation' or 'causal_scoring', got {self.purpose!r}")
+        if not 1 <= self.max_concurrency <= MAX_CONCURRENCY_LIMIT:
+            raise ValueError(
+                f"max_concurrency must be 1..{MAX_CONCURRENCY_LIMIT}, got {self.max_concurrency}"
+            )
+        if self.queue_capacity < 0:
+            raise ValueError(f"queue_capacity must be >= 0, got {self.queue_capacity}")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2 or None, got {self.max_context}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.score_window < 2:
+            raise ValueError(f"score_window must be >= 2, got {self.score_window}")
+        if not 1 <= self.score_stride <= self.score_window - 1:
+            raise ValueError(
+                f"score_stride must be 1..score_window-1 ({self.score_window - 1}) so windows overlap by at "
+                f"least one token, got {self.score_stride}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request. Give exactly one of ``prompt`` (text or token ids) or ``messages``.
+
+    ``max_tokens=None`` allows generation up to the context limit. Sampling follows vLLM/OpenAI
+    conventions: ``temperature=0`` is greedy, ``top_k`` 0 or -1 disables top-k, ``seed=None`` draws a
+    fresh seed. ``stop``/``stop_token_ids`` end generation (the stop string is not included in the text
+    unless ``include_stop_str_in_output``); ``ignore_eos`` keeps going past end-of-sequence tokens.
+    ``logprobs`` adds the chosen token's logprob, ``top_logprobs`` (0..20) that many alternatives.
+    ``thinking_budget`` caps reasoning tokens: the Frontend then forces the end of the thinking block.
+    """
+
+    prompt: str | Sequence[int] | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    thinking_budget: int | None = None
+
+    def problems(self) -> list[str]:
+        """Every reason this request cannot be represented, each saying what to change."""
+        out: list[str] = []
+        if (self.prompt is None) == (self.messages is None):
+            out.append("give exactly one of prompt or messages")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            ids = list(self.prompt)
+            if not ids:
+                out.append("prompt token list is empty; give at least one token id")
+            elif any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                out.append("prompt token ids must be non-negative integers")
+        if isinstance(self.prompt, str) and not self.prompt:
+            out.append("prompt is empty; give some text")
+        if self.messages is not None and not list(self.messages):
+            out.append("messages is empty; give at least one message")
+        if self.tools is not None and self.messages is None:
+            out.append("tools need messages (a chat request), not a raw prompt")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        out.extend(_sampling_problems(self))
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+            if any(not isinstance(s, str) or not s for s in stops):
+                out.append("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            out.append("stop_token_ids must be non-negative integers")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            out.append(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            out.append("top_logprobs needs logprobs=True")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            out.append(f"thinking_budget must be >= 0, got {self.thinking_budget}")
+        return out
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _sampling_problems(r: GenerationRequest) -> list[str]:
+    out: list[str] = []
+    if not _finite(r.temperature) or r.temperature < 0:
+        out.append(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature}")
+    if not _finite(r.top_p) or not 0 < r.top_p <= 1:
+        out.append(f"top_p must be in (0, 1], got {r.top_p}")
+    if not isinstance(r.top_k, int) or r.top_k < -1:
+        out.append(f"top_k must be an integer >= -1 (0 or -1 = disabled), got {r.top_k}")
+    if not _finite(r.min_p) or not 0 <= r.min_p <= 1:
+        out.append(f"min_p must be in [0, 1], got {r.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(r, name)
+        if not _finite(value) or not -2 <= value <= 2:
+            out.append(f"{name} must be in [-2, 2], got {value}")
+    if not _finite(r.repetition_penalty) or r.repetition_penalty <= 0:
+        out.append(f"repetition_penalty must be > 0 (1 = off), got {r.repetition_penalty}")
+    if r.seed is not None and (not isinstance(r.seed, int) or not 0 <= r.seed < 2**63):
+        out.append(f"seed must be an integer in [0, 2**63), got {r.seed}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Events and results
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """Incremental tool call: the first delta of a call carries ``id`` and ``name``; later ones extend
+    ``arguments`` (a JSON text fragment)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_prefix_tokens: int = 0  # prompt tokens served from a cached checkpoint (not recomputed)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerationStart:
+    """Published once, after admission committed its resource choice and before any delta."""
+
+    request_id: int
+    prompt_tokens: int
+    reused_prefix_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """Newly committed output. ``logprobs`` (when asked for) align with ``token_ids``."""
+
+    request_id: int
+    text: str = ""
+    reasoning_text: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The one terminal event of a request: aggregate output and why it ended.
+
+    ``finish_reason == "error"`` carries ``error`` (a ``RequestRejected`` or ``EngineFailed``); the
+    output fields then hold whatever had been published before the error.
+    """
+
+    request_id: int
+    text: str
+    reasoning_text: str
+    tool_calls: tuple[ToolCallDelta, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: NInferError | None = None
+
+
+GenerationEvent = GenerationStart | GenerationDelta | GenerationResult
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Causal scoring of one text: ``logprobs[i]`` is log p(token i | tokens before it); the first
+    token has no context, so ``logprobs[0] is None``; ``total_nll`` is minus the sum of the rest."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    total_nll: float
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Engine readiness, owned by the Engine worker; gateways only read and map it."""
+
+    state: Literal["starting", "warming", "ready", "failed", "closed"]
+    reason: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------
+
+RejectKind = Literal[
+    "context_too_long", "invalid_request", "overload", "queue_timeout", "infeasible", "wrong_purpose"
+]
+
+
+class NInferError(Exception):
+    """Base of every error the public Engine reports."""
+
+    kind: str = "error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RequestRejected(NInferError):
+    """Only this request failed; the Engine is fine. ``kind`` says which rule it broke:
+
+    ``context_too_long`` (prompt/max_tokens beyond ``max_context``), ``invalid_request`` (cannot be
+    represented, e.g. a bad sampling value), ``overload`` (queue full at submit), ``queue_timeout``
+    (waited longer than ``queue_timeout_s``), ``infeasible`` (cannot fit even in an empty Engine),
+    ``wrong_purpose`` (generation on a scoring Engine or the reverse).
+    """
+
+    def __init__(self, kind: RejectKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"RequestRejected({self.kind!r}, {self.message!r})"
+
+
+class EngineFailed(NInferError):
+    """The Engine failed as a whole (its shared state could no longer be trusted); it serves no more."""
+
+    kind = "engine_failed"
+
+    def __repr__(self) -> str:
+        return f"EngineFailed({self.message!r})"
