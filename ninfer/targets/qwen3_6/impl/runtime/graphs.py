@@ -57,6 +57,7 @@ class DecodeGraphs:
     ) -> None:
         self._fn = fn
         self._graphs: dict[int, _Graph] = {}
+        self.replays: dict[int, int] = {}  # B -> replay count (observability; tests read it)
         self._pool = torch.cuda.graph_pool_handle()
         # capture runs the step once on placeholder inputs: point every row at one scratch state slot
         # and KV slot 0 of page 0, which no committed state depends on (the spare slot of lane 0 is
@@ -75,9 +76,14 @@ class DecodeGraphs:
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
     def run(self, batch: StepBatch) -> torch.Tensor:
         g = self._graphs[batch.num_rows]
         g.load(batch)
         g.graph.replay()
+        self.replays[batch.num_rows] = self.replays.get(batch.num_rows, 0) + 1
         assert g.logits is not None
         return g.logits
