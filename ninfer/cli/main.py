@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "convert": "convert",
     "generate": "generate",
     "score": "score",
+    "serve": "serve",
 }
 
 

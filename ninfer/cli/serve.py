@@ -1,0 +1,111 @@
+"""`ninfer serve ARTIFACT`: the OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn).
+
+The server listens at once (``/health`` answers while the model loads) and ``/ready`` turns 200 when
+the Engine is ready. Loopback by default; binding another address without ``--api-key`` prints a
+warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from ninfer.cli.common import add_engine_flags, fail
+
+API_KEY_ENV = "NINFER_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve one .ninfer artifact over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, "
+        "/metrics).",
+    )
+    p.add_argument("artifact", help="a .ninfer file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--max-concurrency", type=int, default=4, help="requests generating at once, 1..8 (4)")
+    p.add_argument(
+        "--queue-capacity",
+        type=int,
+        default=64,
+        help="requests waiting beyond the active ones (64); more get 429",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="longest wait for admission; then 503 (600)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no key)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the package name)"
+    )
+    p.add_argument(
+        "--purpose",
+        choices=["generation", "causal_scoring"],
+        default="generation",
+        help="generation (chat, completions) or causal_scoring (prompt log-probs only)",
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    from ninfer.artifact import Artifact, ArtifactError, check_identity
+    from ninfer.runtime.engine.engine import Engine
+    from ninfer.serve import ServeConfig, create_app, serve_forever
+    from ninfer.targets.open import load_frontend
+    from ninfer.types import EngineConfig
+
+    try:
+        config = EngineConfig(
+            purpose=args.purpose,
+            max_concurrency=args.max_concurrency,
+            queue_capacity=args.queue_capacity,
+            queue_timeout_s=args.queue_timeout,
+            max_context=args.max_context,
+            device=args.device,
+            dtype=args.dtype,
+            cuda_graphs=not args.no_cuda_graphs,
+        )
+    except ValueError as e:
+        return fail(str(e))
+    try:
+        with Artifact.open(args.artifact) as artifact:
+            package = check_identity(artifact)
+        frontend = load_frontend(args.artifact)
+    except (ArtifactError, OSError, ValueError) as e:
+        return fail(" ".join(str(e).split()))
+    if not _is_loopback(args.host) and not args.api_key:
+        print(
+            f"ninfer serve: warning: listening on {args.host} without an API key; anyone who can reach the "
+            f"port can use the model (set --api-key or ${API_KEY_ENV})",
+            file=sys.stderr,
+        )
+    app = create_app(
+        lambda: Engine(args.artifact, config),
+        ServeConfig(model_name=args.served_model_name or package.name, api_key=args.api_key or None),
+        frontend=frontend,
+    )
+    serve_forever(app, args.host, args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,260 @@
+"""The FastAPI app factory: routes, API-key check, error shapes, metrics and the Engine's lifetime.
+
+``create_app(engine_or_loader, config, frontend=...)`` builds an app around one Engine. Given a loader (a
+callable returning an Engine), the app starts answering ``/health`` at once and loads the Engine on a
+thread during startup; ``/ready`` turns 200 when the Engine reports itself ready.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, cast
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ninfer.runtime.engine.engine import Engine
+from ninfer.serve.chat import ChatHandler
+from ninfer.serve.completions import CompletionsHandler
+from ninfer.serve.errors import ServeError, install_error_handlers
+from ninfer.serve.gateway import Gateway, ServeConfig
+from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
+from ninfer.serve.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ReadyResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+)
+from ninfer.serve.responses import JSONBody
+from ninfer.serve.tokens import TokenHandlers
+
+log = logging.getLogger("ninfer.serve")
+T = TypeVar("T")
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in (
+        (
+            400,
+            "malformed JSON, a schema violation, or a request the model cannot take (the message says "
+            "what to change)",
+        ),
+        (401, "missing or wrong API key"),
+        (404, "unknown model name"),
+        (429, "the Engine queue is full (see Retry-After)"),
+        (503, "the Engine is loading, failed, or the request waited past the queue timeout"),
+    )
+}
+
+
+class ORJSONRequest(Request):
+    """Request bodies parsed by orjson: NaN/Infinity and lone surrogates are malformed JSON (400)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class ORJSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(ORJSONRequest(request.scope, request.receive))
+
+        return route
+
+
+PUBLIC_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every path except the probes, metrics and API docs, checked
+    before the body is read (constant-time comparison)."""
+
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[str], None]) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        error: ServeError | None = None
+        if scheme.lower() != "bearer" or not token.strip():
+            error = ServeError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer <key>'",
+                code="missing_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        elif not hmac.compare_digest(token.strip().encode(), self.expected):
+            error = ServeError(
+                401,
+                "invalid API key: check the key this server was started with",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        self.on_reject(scope["path"])
+        await error.response()(scope, receive, send)
+
+
+def create_app(
+    source: EngineSource, config: ServeConfig, *, frontend: ServeFrontend | None = None
+) -> FastAPI:
+    """An OpenAI-compatible app serving one Engine (or a loader of one) under ``config.model_name``.
+
+    ``frontend`` defaults to the Engine's own; a loader needs it given (``load_frontend(artifact)``) so
+    the tokenizer endpoints work while the Engine loads.
+    """
+    if frontend is None:
+        if not isinstance(source, Engine):
+            raise TypeError("create_app(loader, ...) needs frontend=load_frontend(artifact)")
+        frontend = cast(ServeFrontend, source.frontend)
+    host = EngineHost(source, frontend, retry_after_s=config.retry_after_s)
+    gateway = Gateway(config, host)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        host.start()
+        try:
+            yield
+        finally:
+            host.close()
+
+    app = FastAPI(
+        title="NInfer",
+        summary="OpenAI-compatible HTTP gateway over one NInfer Engine",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    install_error_handlers(app, gateway.count)
+
+    async def counted(endpoint: str, work: Awaitable[T]) -> T:
+        """Count errors raised before a request reached the Engine (after that, the run counts them)."""
+        try:
+            return await work
+        except ServeError as exc:
+            if not exc.counted:
+                gateway.count(endpoint, exc.outcome)
+            raise
+
+    chat = ChatHandler(gateway)
+    completions = CompletionsHandler(gateway)
+    tokens = TokenHandlers(gateway)
+    authed = APIRouter(route_class=ORJSONRoute, responses=ERRORS)
+
+    @authed.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": ChatCompletionResponse,
+                "description": "a chat completion, or with "
+                "stream: true an event stream of ChatCompletionChunk",
+                "content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}},
+            }
+        },
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await counted("/v1/chat/completions", chat(body, request))
+
+    @authed.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": CompletionResponse,
+                "description": "a completion, or with stream: true an "
+                "event stream of CompletionResponse chunks",
+            }
+        },
+    )
+    async def create_completions(body: CompletionRequest, request: Request) -> Response:
+        return await counted("/v1/completions", completions(body, request))
+
+    @authed.get("/v1/models", response_model=ModelList)
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @authed.get("/v1/models/{model}", response_model=ModelCard)
+    async def get_model(model: str) -> dict[str, Any]:
+        gateway.check_model(model)
+        return model_card()
+
+    @authed.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await counted("/tokenize", tokens.tokenize(body))
+
+    @authed.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await counted("/detokenize", tokens.detokenize(body))
+
+    @authed.get("/tokenizer_info", response_model=TokenizerInfo)
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokens.tokenizer_info()
+
+    started = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": config.owned_by,
+            "max_model_len": host.max_context,
+        }
+
+    @app.get("/health", response_model=ReadyResponse)
+    async def health() -> dict[str, Any]:
+        """The process is alive (the Engine may still be loading)."""
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
+    async def ready() -> Response:
+        """200 only while the Engine is available; 503 while loading, warming up, failed or closed."""
+        status = host.status()
+        body = {"status": status.state, "reason": status.reason}
+        return JSONBody(body, status_code=200 if status.ready else 503)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        gateway.metrics.engine_ready.set(1 if host.status().ready else 0)
+        return Response(gateway.metrics.exposition(), media_type=gateway.metrics.content_type)
+
+    app.include_router(authed)
+    if config.api_key is not None:
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=config.api_key,
+            on_reject=lambda path: gateway.count(path, "unauthorized"),
+        )
+    return app

@@ -1,0 +1,384 @@
+"""``POST /v1/completions``: raw prompts (text or token ids, one or a batch) -> text completions.
+
+On a ``generation`` server each prompt is one Engine request (``n`` is 1). ``echo`` prepends the prompt
+text. Prompt log-probs (``echo`` with ``logprobs``) are answered by a ``causal_scoring`` server through
+``Engine.score`` -- the request shape lm-eval-harness ``local-completions`` uses for log-likelihoods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ninfer.runtime.engine.engine import Engine
+from ninfer.serve.convert import TokenTexts, bad_request, check_common, sampling_kwargs, usage_dict
+from ninfer.serve.errors import ServeError, from_engine_error
+from ninfer.serve.gateway import EngineRun, Gateway
+from ninfer.serve.protocol import CompletionRequest
+from ninfer.serve.responses import JSONBody
+from ninfer.serve.streaming import (
+    SSE_DONE,
+    ClientGone,
+    EventStreamResponse,
+    all_or_none,
+    sse,
+    unless_disconnected,
+)
+from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, NInferError, ScoreResult, Usage
+
+ENDPOINT = "/v1/completions"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+MAX_BATCH_PROMPTS = 256
+
+Prompt = str | list[int]
+
+
+def prompts_of(body: CompletionRequest) -> list[Prompt]:
+    """The batch as a list of prompts: a string, a token list, or a list of either."""
+    raw = body.prompt
+    if isinstance(raw, str):
+        prompts: list[Prompt] = [raw]
+    elif raw and all(isinstance(p, int) for p in raw):
+        prompts = [list(raw)]  # type: ignore[arg-type]
+    else:
+        prompts = [p if isinstance(p, str) else list(p) for p in raw]  # type: ignore[union-attr]
+    if not prompts:
+        raise bad_request("prompt is empty; give text, token ids, or a list of either", "prompt")
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise bad_request(f"prompt[{i}] is empty; give some text or at least one token id", "prompt")
+    return prompts
+
+
+def text_offsets(start: int, texts: Sequence[str]) -> list[int]:
+    out, pos = [], start
+    for t in texts:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+class CompletionsHandler:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.frontend = gateway.host.frontend
+        self.tokens = TokenTexts(self.frontend)
+
+    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
+        gw = self.gateway
+        gw.check_model(body.model)
+        check_common(body)
+        if body.suffix is not None:
+            raise bad_request(
+                "suffix (fill-in-the-middle) is not supported; put the text in the prompt", "suffix"
+            )
+        if body.best_of not in (None, 1):
+            raise bad_request(f"best_of={body.best_of} is not supported; send best_of 1", "best_of")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported; remove it", "logit_bias")
+        prompts = prompts_of(body)
+        engine = gw.host.engine()
+        meta = {
+            "id": f"cmpl-{secrets.token_hex(16)}",
+            "created": int(time.time()),
+            "model": gw.config.model_name,
+        }
+        max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if engine.config.purpose == "causal_scoring":
+            return await self._score(engine, body, prompts, max_tokens, meta)
+        if body.echo and body.logprobs is not None:
+            raise bad_request(
+                "prompt log-probs (echo with logprobs) come from the scoring purpose; start a server with "
+                "--purpose causal_scoring for them, or drop echo/logprobs",
+                "echo",
+                code="wrong_purpose",
+            )
+        if max_tokens == 0:
+            return await self._prompt_only(body, prompts, meta)
+        return await self._generate(body, prompts, max_tokens, meta, request)
+
+    # ---- generation purpose ----
+    async def _generate(
+        self,
+        body: CompletionRequest,
+        prompts: list[Prompt],
+        max_tokens: int,
+        meta: dict[str, Any],
+        request: Request,
+    ) -> Response:
+        engine = self.gateway.host.engine()
+        capacity = engine.config.max_concurrency + engine.config.queue_capacity
+        if len(prompts) > capacity:  # the Engine could never hold them all at once: retrying cannot help
+            raise bad_request(
+                f"{len(prompts)} prompts in one request exceed this server's capacity of {capacity} requests "
+                "(max_concurrency + queue_capacity); send at most that many per request",
+                "prompt",
+            )
+        sampling = sampling_kwargs(body, self.frontend.generation_defaults)
+        top = body.logprobs or 0
+        runs: list[EngineRun] = []
+
+        def close_all() -> None:
+            for run in runs:
+                run.close()
+
+        try:
+            for prompt in prompts:
+                req = GenerationRequest(
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    logprobs=body.logprobs is not None,
+                    top_logprobs=top,
+                    **sampling,
+                )
+                runs.append(await self.gateway.submit(req, ENDPOINT))
+            echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
+            if body.stream:
+                await unless_disconnected(request, all_or_none(r.wait_start() for r in runs))
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = self._chunks(runs, echoes, meta, include_usage, body.logprobs is not None)
+                return EventStreamResponse(events, close_all)
+            results = await unless_disconnected(request, all_or_none(r.collect() for r in runs))
+        except ClientGone:
+            close_all()
+            return ServeError(499, "client closed the request").response()
+        except BaseException:
+            close_all()
+            raise
+        close_all()
+        choices = [
+            self._choice(
+                i,
+                echoes[i],
+                r.text,
+                r.reasoning_text,
+                r.logprobs if body.logprobs is not None else None,
+                r.finish_reason,
+            )
+            for i, r in enumerate(results)
+        ]
+        usage = Usage(
+            prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+            completion_tokens=sum(r.usage.completion_tokens for r in results),
+            reused_prefix_tokens=sum(r.usage.reused_prefix_tokens for r in results),
+        )
+        return JSONBody(self._body(meta, choices, usage))
+
+    def _choice(
+        self,
+        index: int,
+        echo: str,
+        text: str,
+        reasoning: str,
+        logprobs: Sequence[Any] | None,
+        finish: str | None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": echo + text,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if logprobs is not None:
+            tokens = [self.tokens.text(lp.token_id) for lp in logprobs]
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [self.tokens.top_dict(lp) for lp in logprobs],
+                "text_offset": text_offsets(len(echo), tokens),
+            }
+        if reasoning:
+            choice["reasoning_content"] = reasoning
+        return choice
+
+    @staticmethod
+    def _body(meta: dict[str, Any], choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {
+            **meta,
+            "object": "text_completion",
+            "choices": choices,
+            "usage": usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.reused_prefix_tokens),
+        }
+
+    async def _echo_texts(self, prompts: list[Prompt]) -> list[str]:
+        return [
+            p if isinstance(p, str) else await anyio.to_thread.run_sync(self.frontend.decode, p)
+            for p in prompts
+        ]
+
+    async def _prompt_ids(self, prompts: list[Prompt]) -> list[tuple[int, ...]]:
+        def ids() -> list[tuple[int, ...]]:
+            out = []
+            for i, p in enumerate(prompts):
+                try:
+                    out.append(
+                        tuple(self.frontend.encode(p))
+                        if isinstance(p, str)
+                        else tuple(self.frontend.prepare_tokens(p).token_ids)
+                    )
+                except ValueError as exc:
+                    raise bad_request(f"prompt[{i}]: {exc}", "prompt") from None
+            return out
+
+        return await anyio.to_thread.run_sync(ids)
+
+    async def _prompt_only(
+        self, body: CompletionRequest, prompts: list[Prompt], meta: dict[str, Any]
+    ) -> Response:
+        """``max_tokens`` 0: nothing to generate, so no Engine request; the prompt is echoed (or not)."""
+        if body.stream:
+            raise bad_request("max_tokens 0 generates nothing to stream; send stream: false", "stream")
+        ids = await self._prompt_ids(prompts)
+        echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
+        choices = [self._choice(i, echoes[i], "", "", None, "length") for i in range(len(prompts))]
+        self.gateway.count(ENDPOINT, "length")
+        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=sum(len(i) for i in ids))))
+
+    async def _chunks(
+        self,
+        runs: list[EngineRun],
+        echoes: list[str],
+        meta: dict[str, Any],
+        include_usage: bool,
+        logprobs: bool,
+    ) -> AsyncIterator[bytes]:
+        base = {**meta, "object": "text_completion"}
+        if include_usage:
+            base["usage"] = None
+        offsets = [len(e) for e in echoes]
+
+        def chunk(
+            index: int,
+            text: str,
+            finish: str | None = None,
+            lps: Sequence[Any] | None = None,
+            reasoning: str = "",
+        ) -> bytes:
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            if reasoning:
+                choice["reasoning_content"] = reasoning
+            if lps is not None:
+                tokens = [self.tokens.text(lp.token_id) for lp in lps]
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": [lp.logprob for lp in lps],
+                    "top_logprobs": [self.tokens.top_dict(lp) for lp in lps],
+                    "text_offset": text_offsets(offsets[index], tokens),
+                }
+                offsets[index] += sum(len(t) for t in tokens)
+            return sse({**base, "choices": [choice]})
+
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk(i, echo)
+        totals = Usage()
+        async for index, event in _merged(runs):
+            if isinstance(event, GenerationDelta):
+                if event.text or event.reasoning_text or (logprobs and event.logprobs):
+                    lps = event.logprobs if logprobs else None
+                    yield chunk(index, event.text, lps=lps, reasoning=event.reasoning_text)
+                continue
+            if event.error is not None or event.finish_reason in ("error", "cancelled"):
+                yield sse(runs[index].error_of(event).body())
+                yield SSE_DONE
+                return
+            yield chunk(index, "", event.finish_reason)
+            u = event.usage
+            totals = Usage(
+                totals.prompt_tokens + u.prompt_tokens,
+                totals.completion_tokens + u.completion_tokens,
+                totals.reused_prefix_tokens + u.reused_prefix_tokens,
+            )
+        if include_usage:
+            usage = usage_dict(totals.prompt_tokens, totals.completion_tokens, totals.reused_prefix_tokens)
+            yield sse({**base, "choices": [], "usage": usage})
+        yield SSE_DONE
+
+    # ---- causal_scoring purpose ----
+    async def _score(
+        self,
+        engine: Engine,
+        body: CompletionRequest,
+        prompts: list[Prompt],
+        max_tokens: int,
+        meta: dict[str, Any],
+    ) -> Response:
+        if not body.echo or body.logprobs is None or max_tokens != 0:
+            raise bad_request(
+                "this server was started with --purpose causal_scoring: it answers prompt log-prob requests "
+                "only (echo: true, logprobs: N, max_tokens: 0) and generates no tokens; start it with "
+                "--purpose generation to generate",
+                "max_tokens" if body.echo and body.logprobs is not None else "echo",
+                code="wrong_purpose",
+            )
+        if body.stream:
+            raise bad_request("scoring answers in one piece; send stream: false", "stream")
+        try:
+            scores: list[ScoreResult] = await anyio.to_thread.run_sync(engine.score, prompts)
+        except NInferError as exc:
+            error = from_engine_error(exc, self.gateway.config.retry_after_s)
+            self.gateway.count(ENDPOINT, error.outcome)
+            error.counted = True
+            raise error from None
+        echoes = await self._echo_texts(prompts)
+        choices = [self._scored_choice(i, echoes[i], s) for i, s in enumerate(scores)]
+        n_tokens = sum(len(s.token_ids) for s in scores)
+        self.gateway.metrics.scored_tokens.inc(n_tokens)
+        self.gateway.count(ENDPOINT, "length")
+        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=n_tokens)))
+
+    def _scored_choice(self, index: int, echo: str, score: ScoreResult) -> dict[str, Any]:
+        """Prompt tokens with their log-probs; the first token has no context (null), as in OpenAI's API.
+        ``top_logprobs`` hold the prompt token itself: the scoring purpose computes no alternatives."""
+        tokens = [self.tokens.text(t) for t in score.token_ids]
+        top = [None if lp is None else {tok: lp} for tok, lp in zip(tokens, score.logprobs)]
+        return {
+            "index": index,
+            "text": echo,
+            "logprobs": {
+                "tokens": tokens,
+                "token_logprobs": list(score.logprobs),
+                "top_logprobs": top,
+                "text_offset": text_offsets(0, tokens),
+            },
+            "finish_reason": "length",
+        }
+
+
+async def _merged(runs: list[EngineRun]) -> AsyncIterator[tuple[int, GenerationDelta | GenerationResult]]:
+    """Events of several runs as they arrive, tagged with the run's index; ends after every result."""
+    if len(runs) == 1:
+        async for event in runs[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationDelta | GenerationResult | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, run: EngineRun) -> None:
+        try:
+            async for event in run.events():
+                queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerationResult):
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,200 @@
+"""Protocol values -> public Engine values (requests), and Engine values -> protocol pieces (logprobs).
+
+Only translation lives here: what a field means for generation is decided by the Engine and Frontend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ninfer.serve.errors import ServeError
+from ninfer.serve.host import ServeFrontend
+from ninfer.serve.protocol import (
+    AssistantMessage,
+    ChatMessage,
+    ContentPart,
+    ImagePart,
+    MediaPart,
+    SamplingFields,
+    SystemMessage,
+    TextPart,
+    ToolDef,
+    ToolMessage,
+)
+from ninfer.types import TokenLogprob
+
+# keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
+BOOL_TEMPLATE_KWARGS = ("enable_thinking", "preserve_thinking", "add_generation_prompt")
+# OpenAI defaults for what neither the request nor the model's generation_config sets
+OPENAI_SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ServeError:
+    return ServeError(400, message, code=code, param=param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------
+
+
+def sampling_kwargs(body: SamplingFields, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """GenerationRequest sampling/stop fields: the request's value, else the model's generation_config
+    default (as vLLM does), else OpenAI's default."""
+    out: dict[str, Any] = {}
+    for name, fallback in OPENAI_SAMPLING_DEFAULTS.items():
+        value = getattr(body, name)
+        if value is None:
+            value = defaults.get(name, fallback)
+        out[name] = value
+    if body.temperature is None and defaults.get("do_sample") is False:
+        out["temperature"] = 0.0
+    out["seed"] = body.seed
+    out["stop"] = body.stop
+    out["stop_token_ids"] = tuple(body.stop_token_ids or ())
+    out["ignore_eos"] = bool(body.ignore_eos)
+    out["skip_special_tokens"] = True if body.skip_special_tokens is None else body.skip_special_tokens
+    out["include_stop_str_in_output"] = bool(body.include_stop_str_in_output)
+    return out
+
+
+def check_common(body: SamplingFields) -> None:
+    """Fields every generating endpoint refuses the same way."""
+    if body.n not in (None, 1):
+        raise bad_request(
+            f"n={body.n} is not supported: NInfer returns one choice per request; send n=1 (or several "
+            "requests)",
+            "n",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only valid with stream: true", "stream_options")
+
+
+def _content_part(part: ContentPart, where: str) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, (ImagePart, MediaPart)):
+        kind = "image" if isinstance(part, ImagePart) or part.type in ("image", "input_image") else part.type
+        raise bad_request(
+            f"{where}: {kind} content is not supported yet (this server has no vision preprocessing); "
+            "send text parts only",
+            where,
+            code="unsupported_content",
+        )
+    raise bad_request(f"{where}: unknown content part", where)
+
+
+def _content(content: str | list[ContentPart] | None, where: str) -> str | list[dict[str, Any]] | None:
+    if content is None or isinstance(content, str):
+        return content
+    return [_content_part(part, f"{where}[{j}]") for j, part in enumerate(content)]
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain message dicts in the shape the chat template reads (media refused with a 400)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}].content"
+        msg: dict[str, Any] = {"role": "system" if isinstance(m, SystemMessage) else m.role}
+        msg["content"] = _content(m.content, where)
+        if isinstance(m, AssistantMessage):
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                    for call in m.tool_calls
+                ]
+        if isinstance(m, ToolMessage) and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if getattr(m, "name", None) is not None:
+            msg["name"] = m.name  # type: ignore[union-attr]
+        out.append(msg)
+    return out
+
+
+def tool_dicts(tools: Sequence[ToolDef] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked: no keys the gateway sets itself, booleans where the template
+    tests ``is true``/``is false``."""
+    out = dict(kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_KWARGS.intersection(out))
+    if clash:
+        raise bad_request(
+            f"chat_template_kwargs may not set {clash}; give messages/tools as request fields",
+            "chat_template_kwargs",
+        )
+    for name in BOOL_TEMPLATE_KWARGS:
+        if name in out and not isinstance(out[name], bool):
+            raise bad_request(
+                f"chat_template_kwargs.{name} must be true or false, got {out[name]!r}",
+                "chat_template_kwargs",
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output pieces
+# ---------------------------------------------------------------------------------------------------
+
+
+class TokenTexts:
+    """Text of single tokens for logprob listings (special tokens shown; a byte fragment of a multi-byte
+    character shows as U+FFFD, its ``bytes`` are still exact where the text is)."""
+
+    def __init__(self, frontend: ServeFrontend) -> None:
+        self._frontend = frontend
+        self.text = functools.lru_cache(maxsize=65536)(self._text)
+
+    def _text(self, token_id: int) -> str:
+        return self._frontend.decode([token_id], skip_special_tokens=False)
+
+    def chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        text = self.text(lp.token_id)
+        return {
+            "token": text,
+            "logprob": lp.logprob,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := self.text(tid)), "logprob": value, "bytes": list(t.encode("utf-8"))}
+                for tid, value in lp.top
+            ],
+        }
+
+    def top_dict(self, lp: TokenLogprob) -> dict[str, float]:
+        """Completions ``top_logprobs`` entry: the alternatives plus the chosen token (as vLLM does)."""
+        out: dict[str, float] = {}
+        for tid, value in lp.top:
+            out.setdefault(self.text(tid), value)
+        out.setdefault(self.text(lp.token_id), lp.logprob)
+        return out
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, reused_prefix_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": reused_prefix_tokens},
+    }

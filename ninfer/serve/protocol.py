@@ -1,0 +1,375 @@
+"""OpenAI-compatible request and response schemas (pydantic), the single source of the OpenAPI document.
+
+Requests are validated here for shape and ranges; every violation becomes a 400 in the OpenAI error
+shape (see ``errors.py``). Unknown top-level fields that OpenAI clients send (``user``, ``metadata``,
+``store``, ...) are accepted and ignored, as vLLM does. Semantic checks that need the model (context
+length, vocabulary, template) happen in the Engine/Frontend and come back as ``RequestRejected``.
+
+Response models document the wire format in ``/openapi.json``; handlers build the same dicts directly
+(tests validate real responses against these models so the two cannot drift).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 2**63
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    # NaN/inf never reach the Engine; unknown OpenAI fields are ignored rather than refused
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat messages
+# ---------------------------------------------------------------------------------------------------
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Model):
+    """Accepted by the schema so the refusal can say why: images need the vision work (400 for now)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+class MediaPart(_Model):
+    """Other media part types (audio, video, files): refused with a 400 naming the part."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_audio", "video_url", "image", "video", "file", "input_image"]
+
+
+ContentPart = Annotated[TextPart | ImagePart | MediaPart, Field(discriminator="type")]
+Content = str | list[ContentPart]
+
+
+class FunctionCallIn(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class SystemMessage(_Model):
+    role: Literal["system", "developer"]  # developer is OpenAI's newer name for system
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Model):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"]
+    content: Content | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # alias some clients use for reasoning_content
+    tool_calls: list[ToolCallIn] | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Model):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tools and options
+# ---------------------------------------------------------------------------------------------------
+
+
+class FunctionDef(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(_Model):
+    """Sampling fields shared by chat and completions (vLLM conventions for the extensions)."""
+
+    temperature: float | None = Field(None, ge=0, description="0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 = disabled")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, description="1 = off")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    n: int | None = Field(None, ge=1, description="only 1 is supported")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    model: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_budget: int | None = Field(None, ge=0, description="cap on reasoning tokens (extension)")
+
+
+PromptInput = str | list[TokenId] | list[str] | list[Annotated[list[TokenId], Field(min_length=1)]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(None, ge=0, description="default 16; 0 with echo returns the prompt")
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    logit_bias: dict[str, float] | None = None
+
+
+class TokenizeRequest(_Model):
+    """Either ``prompt`` (raw text) or ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = None  # accepted for vLLM compatibility; Qwen adds no BOS/EOS
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Responses (documentation of the wire format; see module docstring)
+# ---------------------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = []
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed chat completion (the stream ends with ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    reasoning_content: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed ``data:`` event (``object`` is ``text_completion`` in both)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str
+    chat_template: str
+    model_max_length: int | None
+    vocab_size: int
+
+
+class ReadyResponse(BaseModel):
+    status: str
+    reason: str | None = None
