@@ -1,0 +1,96 @@
+"""Shared pieces of the end-to-end tests: prompts, Engine settings and the transformers oracle.
+
+The oracle is `hf_causal_lm(name)` from tests/tiny_artifacts.py: transformers' Qwen3_5(Moe)ForCausalLM
+holding exactly the weights written into the `tiny_artifact` / `tiny_moe_artifact` files.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_artifacts import FIXTURES, hf_causal_lm
+from tokenizers import Tokenizer
+
+from ninfer import EngineConfig
+
+PACKAGE_NAMES = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
+ARTIFACT_FIXTURE = {"qwen3_6_tiny": "tiny_artifact", "qwen3_6_tiny_moe": "tiny_moe_artifact"}
+FIRST_SPECIAL_ID = 248044  # ids below this are ordinary tokens of the real Qwen3.6 tokenizer
+# 16 prompt lengths from 1 to 80: below, at and across the 16-token prefill chunk and page boundaries.
+# The first eight fit one chunk, so all eight lanes fill before the first request finishes.
+PROMPT_LENGTHS = (1, 2, 3, 5, 8, 11, 15, 16, 17, 24, 32, 33, 47, 55, 64, 80)
+MAX_CONTEXT = 128
+PAGE_SIZE = 16
+PREFILL_CHUNK = 16
+
+
+def artifact_for(request: pytest.FixtureRequest, name: str) -> Path:
+    """The session-scoped .ninfer file of package ``name`` (tests/conftest.py fixtures)."""
+    return request.getfixturevalue(ARTIFACT_FIXTURE[name])
+
+
+def random_prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    """Raw token-id prompts of ordinary (non-special) tokens, reproducible from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, FIRST_SPECIAL_ID, (n,), generator=g).tolist() for n in lengths]
+
+
+def generation_config(max_concurrency: int, **overrides: object) -> EngineConfig:
+    """A small CPU generation Engine: short context, small pages and prefill chunks (so prompts span
+    several pages and chunks), no warmup unless asked."""
+    fields: dict[str, object] = dict(
+        max_concurrency=max_concurrency,
+        device="cpu",
+        dtype="float32",
+        max_context=MAX_CONTEXT,
+        page_size=PAGE_SIZE,
+        prefill_chunk_tokens=PREFILL_CHUNK,
+        warmup=False,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+@functools.cache
+def hf_greedy(name: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """transformers' greedy ``generate`` with end-of-sequence disabled (the Engine side uses ignore_eos)."""
+    model = hf_causal_lm(name)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    new = tuple(out[0, len(prompt) :].tolist())
+    assert len(new) == max_new_tokens, "transformers stopped early: end-of-sequence was not disabled"
+    return new
+
+
+def hf_next_token_logits(name: str, ids: Sequence[int]) -> torch.Tensor:
+    """fp32 logits [len(ids), V] of the token after each prefix ``ids[:i+1]``, one fresh forward."""
+    model = hf_causal_lm(name)
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)]), use_cache=False).logits[0].float()
+
+
+def hf_logprobs(name: str, ids: Sequence[int]) -> list[float]:
+    """``out[i] = log p(ids[i+1] | ids[:i+1])`` by transformers over the whole sequence."""
+    logp = torch.log_softmax(hf_next_token_logits(name, ids)[:-1].double(), dim=-1)
+    targets = torch.tensor(list(ids[1:]))
+    return logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+
+
+@functools.cache
+def _fixture_tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(FIXTURES / "tokenizer.json"))
+
+
+def fixture_tokenizer_ids(text: str) -> list[int]:
+    """The real Qwen3.6 tokenizer (tests/fixtures) on raw text, no special tokens added."""
+    return _fixture_tokenizer().encode(text, add_special_tokens=False).ids
