@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from tiny_artifacts import hf_causal_lm, tiny_view
 
 from ninfer.runtime.contract.types import (
     LogprobParams,
@@ -17,40 +18,20 @@ from ninfer.runtime.contract.types import (
     RowDecision,
     SamplingParams,
 )
-from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
 from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
 from ninfer.targets.registry import PACKAGES
 
 torch.set_num_threads(1)
-SEED = 7
 
 
-@functools.cache
 def view(name: str):
-    return random_model_view(PACKAGES[name].variant, seed=SEED, dtype=torch.float32, device="cpu")
+    return tiny_view(name)
 
 
 @functools.cache
 def hf_generate(name: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    from transformers import (
-        Qwen3_5ForCausalLM,
-        Qwen3_5MoeForCausalLM,
-        Qwen3_5MoeTextConfig,
-        Qwen3_5TextConfig,
-    )
-
-    package = PACKAGES[name]
-    text = package.hf_config()["text_config"]
-    cfg, cls = (
-        (Qwen3_5MoeTextConfig(**text), Qwen3_5MoeForCausalLM)
-        if package.variant.moe
-        else (Qwen3_5TextConfig(**text), Qwen3_5ForCausalLM)
-    )
-    cfg._attn_implementation = "eager"
-    model = cls(cfg).float().eval()
-    model.load_state_dict(hf_state_dict(view(name), text_only=True), strict=True)
     with torch.no_grad():
-        out = model.generate(
+        out = hf_causal_lm(name).generate(
             torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     return out[0, len(prompt) :].tolist()
