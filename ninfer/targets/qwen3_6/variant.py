@@ -88,13 +88,26 @@ class Variant:
     special: SpecialTokens = field(default_factory=SpecialTokens)
 
     def __post_init__(self) -> None:
-        if self.moe:
-            assert self.num_experts > 0 and self.num_experts_per_tok > 0 and self.moe_intermediate_size > 0
-        else:
-            assert self.intermediate_size > 0
-        assert self.num_attention_heads % self.num_kv_heads == 0
-        assert self.linear_num_value_heads % self.linear_num_key_heads == 0
-        assert 2 * sum(self.mrope_section) == self.rotary_dim, "mrope_section must cover rotary_dim/2"
+        problems = []
+        if self.moe and not (
+            self.num_experts > 0 and self.num_experts_per_tok > 0 and self.moe_intermediate_size > 0
+        ):
+            problems.append(
+                "a MoE variant needs num_experts, num_experts_per_tok and moe_intermediate_size > 0"
+            )
+        if not self.moe and self.intermediate_size <= 0:
+            problems.append("a dense variant needs intermediate_size > 0")
+        if self.num_attention_heads % self.num_kv_heads:
+            problems.append("num_attention_heads must be a multiple of num_kv_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if 2 * sum(self.mrope_section) != self.rotary_dim:
+            problems.append(
+                f"mrope_section {list(self.mrope_section)} must sum to rotary_dim/2 = {self.rotary_dim // 2} "
+                f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} / 2)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
 
     # ---- derived dims -------------------------------------------------------------------------
     @property
@@ -313,8 +326,8 @@ class Variant:
         variant = cls(**kw)
         if layer_types is not None and tuple(layer_types) != variant.layer_types:
             raise ValueError(
-                "config.json layer_types do not follow the family's 3:1 pattern "
-                f"(full attention every {interval} layers)"
+                f"layer_types ({len(layer_types)} entries) do not match num_hidden_layers="
+                f"{variant.num_layers} with the family's 3:1 pattern (full attention every {interval} layers)"
             )
         return variant
 
