@@ -283,11 +283,22 @@ GenerationEvent = GenerationStart | GenerationDelta | GenerationResult
 @dataclass(frozen=True)
 class ScoreResult:
     """Causal scoring of one text: ``logprobs[i]`` is log p(token i | tokens before it); the first
-    token has no context, so ``logprobs[0] is None``; ``total_nll`` is minus the sum of the rest."""
+    token has no context, so ``logprobs[0] is None``; ``total_nll`` is minus the sum of the rest.
+
+    Filled only when ``Engine.score`` was asked for them:
+    - ``top_logprobs`` (``top_n > 0``): one entry per token, ``None`` for the first; entry ``i`` holds the
+      ``top_n`` most likely tokens at token i's position ``((token_id, logprob), ...)``, best first, from
+      the same window (and the same logits) as ``logprobs[i]``; ``()`` when not asked.
+    - ``next_token`` (``next_token=True``): the greedy prediction after the last token, its logprob and
+      its ``top_n`` alternatives (from the window that ends at the last token); ``None`` when not asked
+      or the text is empty.
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     total_nll: float
+    top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+    next_token: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """``POST /v1/completions``: raw prompts (text or token ids, one or a batch) -> text completions.
 
 On a ``generation`` server each prompt is one Engine request (``n`` is 1). ``echo`` prepends the prompt
-text. Prompt log-probs (``echo`` with ``logprobs``) are answered by a ``causal_scoring`` server through
-``Engine.score`` -- the request shape lm-eval-harness ``local-completions`` uses for log-likelihoods.
+text. Prompt log-probs (``echo`` with ``logprobs``, ``max_tokens`` 0, or 1 to append the greedy next
+token) are answered by a ``causal_scoring`` server through ``Engine.score`` -- the request shape
+lm-eval-harness ``local-completions`` uses for log-likelihoods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -31,7 +33,15 @@ from ninfer.serve.streaming import (
     sse,
     unless_disconnected,
 )
-from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, NInferError, ScoreResult, Usage
+from ninfer.types import (
+    GenerationDelta,
+    GenerationRequest,
+    GenerationResult,
+    NInferError,
+    ScoreResult,
+    TokenLogprob,
+    Usage,
+)
 
 ENDPOINT = "/v1/completions"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -312,45 +322,85 @@ class CompletionsHandler:
         max_tokens: int,
         meta: dict[str, Any],
     ) -> Response:
-        if not body.echo or body.logprobs is None or max_tokens != 0:
+        """Prompt log-probs (``echo`` + ``logprobs``, ``max_tokens`` 0) from ``Engine.score``; with
+        ``max_tokens`` 1 the model's greedy next token is appended as the one completion token, which is
+        the shape lm-eval-harness ``local-completions`` sends for log-likelihoods (it drops that entry)."""
+        if not body.echo or body.logprobs is None or max_tokens not in (0, 1):
             raise bad_request(
                 "this server was started with --purpose causal_scoring: it answers prompt log-prob requests "
-                "only (echo: true, logprobs: N, max_tokens: 0) and generates no tokens; start it with "
-                "--purpose generation to generate",
+                "only (echo: true, logprobs: N, max_tokens: 0, or max_tokens: 1 with temperature: 0 to "
+                "append the greedy next token) and generates nothing else; start it with --purpose "
+                "generation to generate",
                 "max_tokens" if body.echo and body.logprobs is not None else "echo",
                 code="wrong_purpose",
             )
         if body.stream:
             raise bad_request("scoring answers in one piece; send stream: false", "stream")
+        if max_tokens == 1:
+            self._check_greedy_token(body)
+        score = functools.partial(engine.score, top_n=body.logprobs, next_token=max_tokens == 1)
         try:
-            scores: list[ScoreResult] = await anyio.to_thread.run_sync(engine.score, prompts)
+            scores: list[ScoreResult] = await anyio.to_thread.run_sync(score, prompts)
         except NInferError as exc:
             error = from_engine_error(exc, self.gateway.config.retry_after_s)
             self.gateway.count(ENDPOINT, error.outcome)
             error.counted = True
             raise error from None
         echoes = await self._echo_texts(prompts)
-        choices = [self._scored_choice(i, echoes[i], s) for i, s in enumerate(scores)]
+        choices = [self._scored_choice(i, echoes[i], s, body) for i, s in enumerate(scores)]
         n_tokens = sum(len(s.token_ids) for s in scores)
+        generated = sum(s.next_token is not None for s in scores)
         self.gateway.metrics.scored_tokens.inc(n_tokens)
         self.gateway.count(ENDPOINT, "length")
-        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=n_tokens)))
+        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=n_tokens, completion_tokens=generated)))
 
-    def _scored_choice(self, index: int, echo: str, score: ScoreResult) -> dict[str, Any]:
-        """Prompt tokens with their log-probs; the first token has no context (null), as in OpenAI's API.
-        ``top_logprobs`` hold the prompt token itself: the scoring purpose computes no alternatives."""
-        tokens = [self.tokens.text(t) for t in score.token_ids]
-        top = [None if lp is None else {tok: lp} for tok, lp in zip(tokens, score.logprobs)]
+    def _check_greedy_token(self, body: CompletionRequest) -> None:
+        """The appended token is the argmax of the model's distribution: refuse requests that ask for
+        something else rather than answer them differently from a generation server."""
+        temperature = sampling_kwargs(body, self.frontend.generation_defaults)["temperature"]
+        if temperature != 0:
+            raise bad_request(
+                "max_tokens: 1 on a causal_scoring server appends the model's greedy next token; send "
+                f"temperature: 0 (this request would sample at temperature {temperature})",
+                "temperature",
+            )
+        if body.stop or body.stop_token_ids:
+            raise bad_request(
+                "a causal_scoring server applies no stop sequences to the greedy token it appends; remove "
+                "stop and stop_token_ids",
+                "stop",
+            )
+
+    def _scored_choice(
+        self, index: int, echo: str, score: ScoreResult, body: CompletionRequest
+    ) -> dict[str, Any]:
+        """Prompt tokens with their log-probs and ``top_logprobs`` (the alternatives plus the token
+        itself); the first token has no context (null), as in OpenAI's API. A predicted next token is
+        appended as the one completion token (its text too, unless it is a skipped special token)."""
+        entries: list[TokenLogprob | None] = [
+            None if lp is None else TokenLogprob(tid, lp, score.top_logprobs[i] if score.top_logprobs else ())
+            for i, (tid, lp) in enumerate(zip(score.token_ids, score.logprobs))
+        ]
+        text, finish = echo, "length"
+        if score.next_token is not None:
+            entries.append(score.next_token)
+            token_id = score.next_token.token_id
+            skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
+            text += self.frontend.decode([token_id], skip_special_tokens=skip_special)
+            if token_id in self.frontend.eos_token_ids and not body.ignore_eos:
+                finish = "stop"
+        ids = [*score.token_ids, *([] if score.next_token is None else [score.next_token.token_id])]
+        tokens = [self.tokens.text(t) for t in ids]
         return {
             "index": index,
-            "text": echo,
+            "text": text,
             "logprobs": {
                 "tokens": tokens,
-                "token_logprobs": list(score.logprobs),
-                "top_logprobs": top,
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else self.tokens.top_dict(e) for e in entries],
                 "text_offset": text_offsets(0, tokens),
             },
-            "finish_reason": "length",
+            "finish_reason": finish,
         }
 
 

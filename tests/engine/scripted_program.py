@@ -31,6 +31,7 @@ from ninfer.runtime.contract.types import (
     SequenceHandle,
     StalePlan,
     TokenLogprob,
+    WindowScores,
     validate_decisions,
 )
 
@@ -412,20 +413,39 @@ class ProvingProgram(ScriptedProgram):
 
 
 class ScriptedScoringProgram:
-    """ScoringProgram whose logprob for token i in a window encodes its in-window context length,
-    so tests can see which window scored each token: lp = -(context) - token/1000."""
+    """ScoringProgram whose numbers encode the in-window context length, so tests can see which window
+    produced each value:
+
+    - token at in-window index ``ctx >= 1``: logprob ``-(ctx) - token/1000``; its alternatives are
+      ``(token + j, logprob - j)`` for ``j < top_n``, so the token itself is the greedy one and each
+      alternative carries the same ``ctx`` as the logprob;
+    - after the last of ``n`` tokens: ``(last + 1 + j, -(n) - j)`` for ``j < max(top_n, 1)``.
+
+    ``windows`` logs every window's tokens, ``calls`` every call as ``(token_ids, top_n, predict_next)``.
+    """
 
     def __init__(self, max_context: int = 64) -> None:
         self._max_context = max_context
         self.windows: list[tuple[int, ...]] = []
+        self.calls: list[tuple[tuple[int, ...], int, bool]] = []
 
     @property
     def max_context(self) -> int:
         return self._max_context
 
-    def score_window(self, token_ids: Sequence[int]) -> Sequence[float]:
+    def score_window(
+        self, token_ids: Sequence[int], top_n: int = 0, *, predict_next: bool = False
+    ) -> WindowScores:
         ids = tuple(token_ids)
-        if len(ids) > self._max_context:
-            raise ValueError("window too long")
+        if not 1 <= len(ids) <= self._max_context:
+            raise ValueError("window size outside 1..max_context")
         self.windows.append(ids)
-        return [-(float(ctx)) - ids[ctx] / 1000.0 for ctx in range(1, len(ids))]
+        self.calls.append((ids, top_n, predict_next))
+        logprobs = tuple(-(float(ctx)) - ids[ctx] / 1000.0 for ctx in range(1, len(ids)))
+        top = tuple(
+            tuple((ids[ctx] + j, lp - j) for j in range(top_n)) for ctx, lp in enumerate(logprobs, start=1)
+        ) if top_n else ()
+        next_top = ()
+        if predict_next:
+            next_top = tuple((ids[-1] + 1 + j, -float(len(ids)) - j) for j in range(max(top_n, 1)))
+        return WindowScores(logprobs=logprobs, top=top, next_top=next_top)

@@ -1,5 +1,7 @@
 """Prompt log-probs through ``/v1/completions`` (echo + logprobs) on a ``causal_scoring`` server equal
-transformers' log-softmax for the same weights (tiny dense package, one scoring window and several)."""
+transformers' log-softmax for the same weights (tiny dense package, one scoring window and several); top
+alternatives equal transformers' top-k; ``max_tokens: 1`` appends transformers' argmax next token, which
+is the exact request lm-eval-harness ``local-completions`` sends for log-likelihoods."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from serve_helpers import MODEL, running_server
+from serve_helpers import MODEL, ScriptedScoringProgram, running_server
 from tiny_artifacts import hf_causal_lm
 
 from ninfer import Engine, EngineConfig
@@ -32,13 +34,43 @@ def frontend_of(path: str) -> Frontend:
 
 
 @functools.cache
-def oracle_logprobs(ids: tuple[int, ...]) -> list[float]:
-    """log p(ids[i] | ids[:i]) for i >= 1 from transformers, full context."""
+def oracle_log_softmax(ids: tuple[int, ...]) -> torch.Tensor:
+    """``[len(ids), vocab]`` log-softmax from transformers, full context: row i predicts token i + 1."""
     model = hf_causal_lm("qwen3_6_tiny")
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def oracle_logprobs(ids: tuple[int, ...]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 from transformers, full context."""
+    lp = oracle_log_softmax(ids)
     return [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+def oracle_top(frontend: Frontend, row: torch.Tensor, k: int, chosen: int | None) -> dict[str, float]:
+    """The completions ``top_logprobs`` entry transformers implies: the top-k token texts (first text
+    wins), plus the chosen token itself."""
+    values, ids = row.topk(k)
+    out: dict[str, float] = {}
+    for token_id, value in zip(ids.tolist(), values.tolist()):
+        out.setdefault(frontend.decode([token_id]), value)
+    if chosen is not None:
+        out.setdefault(frontend.decode([chosen]), float(row[chosen]))
+    return out
+
+
+def assert_top_equal(got: dict[str, float], want: dict[str, float]) -> None:
+    assert list(got) == list(want)
+    assert list(got.values()) == pytest.approx(list(want.values()), abs=ATOL)
+
+
+def greedy_continuation(ids: list[int], steps: int) -> list[int]:
+    """Tokens transformers' argmax produces after ``ids``."""
+    out = list(ids)
+    for _ in range(steps):
+        out.append(int(oracle_log_softmax(tuple(out))[-1].argmax()))
+    return out[len(ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +105,9 @@ def test_prompt_logprobs_equal_transformers(server: BackgroundServer, frontend: 
     assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
     want = oracle_logprobs(tuple(ids))
     assert lps["token_logprobs"][1:] == pytest.approx(want, abs=ATOL)
+    rows = oracle_log_softmax(tuple(ids))
+    for i in range(1, len(ids)):  # logprobs: 1 -> the most likely token plus the prompt token itself
+        assert_top_equal(lps["top_logprobs"][i], oracle_top(frontend, rows[i - 1], 1, ids[i]))
     assert body["usage"] == {
         "prompt_tokens": len(ids),
         "completion_tokens": 0,
@@ -89,6 +124,9 @@ def test_batch_of_token_prompts_and_long_text(server: BackgroundServer, frontend
     first, second = out["choices"]
     assert (first["index"], second["index"]) == (0, 1)
     assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(oracle_logprobs(tuple(short)), abs=ATOL)
+    assert first["logprobs"]["top_logprobs"][1] == {  # logprobs: 0 -> the prompt token alone
+        frontend.decode([short[1]]): first["logprobs"]["token_logprobs"][1]
+    }
     got = second["logprobs"]["token_logprobs"]
     assert got[1:WINDOW] == pytest.approx(oracle_logprobs(tuple(long[:WINDOW])), abs=ATOL)
     # tokens past the first window were scored by the window starting at STRIDE
@@ -97,38 +135,99 @@ def test_batch_of_token_prompts_and_long_text(server: BackgroundServer, frontend
     assert out["usage"]["prompt_tokens"] == len(short) + len(long)
 
 
+def test_long_text_alternatives_and_next_token_come_from_their_windows(
+    server: BackgroundServer, frontend: Frontend
+) -> None:
+    ids = frontend.encode(TEXT + " " + TEXT)
+    n = len(ids)
+    last_start = min(s for s in range(0, n, STRIDE) if s + WINDOW >= n)  # the window ending at the end
+    assert last_start > STRIDE, "the text spans at least three windows"
+    body = _score(server, prompt=ids, echo=True, logprobs=3, max_tokens=1, temperature=0).json()
+    lps = body["choices"][0]["logprobs"]
+    assert len(lps["tokens"]) == n + 1
+    second = oracle_log_softmax(tuple(ids[STRIDE : STRIDE + WINDOW]))  # scores tokens WINDOW..STRIDE+WINDOW-1
+    for t in (WINDOW, STRIDE + WINDOW - 1):
+        assert_top_equal(lps["top_logprobs"][t], oracle_top(frontend, second[t - STRIDE - 1], 3, ids[t]))
+    last = oracle_log_softmax(tuple(ids[last_start:]))[-1]
+    greedy = int(last.argmax())
+    assert lps["tokens"][-1] == frontend.decode([greedy])
+    assert lps["token_logprobs"][-1] == pytest.approx(float(last.max()), abs=ATOL)
+    assert_top_equal(lps["top_logprobs"][-1], oracle_top(frontend, last, 3, greedy))
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_top_alternatives_equal_transformers_topk(server: BackgroundServer, frontend: Frontend) -> None:
+    ids = frontend.encode("Hello there, general Kenobi")
+    k = 5
+    lps = _score(server, prompt=ids, echo=True, logprobs=k, max_tokens=0).json()["choices"][0]["logprobs"]
+    rows = oracle_log_softmax(tuple(ids))
+    assert lps["top_logprobs"][0] is None and len(lps["top_logprobs"]) == len(ids)
+    for i in range(1, len(ids)):
+        assert_top_equal(lps["top_logprobs"][i], oracle_top(frontend, rows[i - 1], k, ids[i]))
+
+
 def _lm_eval_loglikelihood(choice: dict[str, Any], ctxlen: int) -> tuple[float, bool]:
-    """What lm-eval-harness ``local-completions`` computes from one choice: the continuation's summed
-    log-prob (entries ``ctxlen`` up to, excluding, the last, which is the one generated token) and
-    whether every continuation token was the greedy one."""
+    """What lm-eval-harness ``local-completions`` (``LocalCompletionsAPI.parse_logprobs``) computes from
+    one choice: the continuation's summed log-prob (entries ``ctxlen`` up to, excluding, the last, which
+    is the one generated token) and whether each continuation token's log-prob equals (``==``) the best
+    value in its ``top_logprobs``."""
     lps = choice["logprobs"]
     cont = lps["token_logprobs"][ctxlen:-1]
     tops = lps["top_logprobs"][ctxlen:-1]
     return sum(cont), all(lp == max(top.values()) for lp, top in zip(cont, tops))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lm-eval sends max_tokens=1 and drops the last entry as the generated token; Engine.score gives "
-    "no next-token distribution, so a causal_scoring server cannot produce that token (nor top alternatives "
-    "for is_greedy) and refuses max_tokens=1",
-)
-def test_lm_eval_local_completions_request(server: BackgroundServer, frontend: Frontend) -> None:
-    context, continuation = frontend.encode("The quick brown fox"), frontend.encode(" jumps over")
-    payload = {  # exactly what LocalCompletionsAPI._create_payload sends for a log-likelihood request
+def _lm_eval_payload(prompt: Any) -> dict[str, Any]:
+    """Exactly what ``LocalCompletionsAPI._create_payload(generate=False)`` sends."""
+    return {
         "model": MODEL,
-        "prompt": [context + continuation],
+        "prompt": prompt,
         "temperature": 0,
         "max_tokens": 1,
         "logprobs": 1,
         "seed": 1234,
         "echo": True,
     }
-    response = httpx.post(server.url + "/v1/completions", json=payload, timeout=120)
+
+
+def test_lm_eval_local_completions_request(server: BackgroundServer, frontend: Frontend) -> None:
+    context = frontend.encode("The quick brown fox")
+    plain = frontend.encode(" jumps over")
+    greedy = greedy_continuation(context, 3)  # what the model itself would continue with
+    assert any(int(oracle_log_softmax(tuple(context + plain[:i]))[-1].argmax()) != plain[i] for i in range(2))
+    inputs = [context + plain, context + greedy]  # lm-eval batches token lists (batch_size > 1)
+    response = httpx.post(server.url + "/v1/completions", json=_lm_eval_payload(inputs), timeout=120)
     assert response.status_code == 200, response.text
-    total, _ = _lm_eval_loglikelihood(response.json()["choices"][0], len(context))
-    want = oracle_logprobs(tuple(context + continuation))[len(context) - 1 :]
-    assert total == pytest.approx(sum(want), abs=ATOL)
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == 2
+    for choice, ids in zip(sorted(body["choices"], key=lambda c: c["index"]), inputs):
+        lps = choice["logprobs"]
+        assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["top_logprobs"]) == len(ids) + 1
+        rows = oracle_log_softmax(tuple(ids))
+        total, is_greedy = _lm_eval_loglikelihood(choice, len(context))
+        want = [float(rows[i - 1, ids[i]]) for i in range(len(context), len(ids))]
+        assert total == pytest.approx(sum(want), abs=ATOL)
+        want_greedy = all(int(rows[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+        assert is_greedy == want_greedy
+        # the dropped last entry is the greedy next token, with its text appended to the echo
+        next_id = int(rows[-1].argmax())
+        assert lps["tokens"][-1] == frontend.decode([next_id])
+        assert lps["token_logprobs"][-1] == pytest.approx(float(rows[-1].max()), abs=ATOL)
+        assert choice["text"] == frontend.decode(ids) + frontend.decode([next_id])
+        assert choice["finish_reason"] == "length"
+    # the continuation from transformers' argmax is greedy, the hand-written one is not
+    assert [_lm_eval_loglikelihood(c, len(context))[1] for c in body["choices"]] == [False, True]
+
+
+def test_lm_eval_text_prompt(server: BackgroundServer, frontend: Frontend) -> None:
+    """``tokenized_requests=False``: lm-eval sends the decoded text; ctxlen still counts its tokens."""
+    context, continuation = "The quick brown fox", " jumps over"
+    response = httpx.post(server.url + "/v1/completions", json=_lm_eval_payload(context + continuation))
+    assert response.status_code == 200, response.text
+    ids = frontend.encode(context + continuation)
+    ctxlen = len(frontend.encode(context))
+    total, _ = _lm_eval_loglikelihood(response.json()["choices"][0], ctxlen)
+    assert total == pytest.approx(sum(oracle_logprobs(tuple(ids))[ctxlen - 1 :]), abs=ATOL)
 
 
 def test_scoring_server_refuses_generation_clearly(server: BackgroundServer) -> None:
@@ -138,5 +237,36 @@ def test_scoring_server_refuses_generation_clearly(server: BackgroundServer) -> 
     assert chat.status_code == 400 and "causal_scoring" in chat.json()["error"]["message"]
     gen = _score(server, prompt="x", max_tokens=5)
     assert gen.status_code == 400 and gen.json()["error"]["code"] == "wrong_purpose"
-    one = _score(server, prompt="x y", echo=True, logprobs=1, max_tokens=1)
-    assert one.status_code == 400 and "max_tokens: 0" in one.json()["error"]["message"]
+    two = _score(server, prompt="x y", echo=True, logprobs=1, max_tokens=2, temperature=0)
+    assert two.status_code == 400 and "max_tokens: 1 with temperature: 0" in two.json()["error"]["message"]
+    sampled = _score(server, prompt="x y", echo=True, logprobs=1, max_tokens=1)  # the model's default temp
+    error = sampled.json()["error"]
+    assert sampled.status_code == 400 and error["param"] == "temperature"
+    assert "temperature: 0" in error["message"]
+    stop = _score(server, prompt="x y", echo=True, logprobs=1, max_tokens=1, temperature=0, stop=["z"])
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop"
+    streamed = _score(server, prompt="x y", echo=True, logprobs=1, max_tokens=0, stream=True)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+def test_end_of_text_prediction_finishes_with_stop(frontend: Frontend) -> None:
+    """A scripted scoring Program predicts ``last + 1``: ending the prompt right before an EOS id makes the
+    greedy token EOS, so the choice stops, its text has no special token, and the entry is still there."""
+    eos = frontend.eos_token_ids[0]
+    engine = Engine.from_parts(
+        ScriptedScoringProgram(max_context=16),
+        frontend,
+        EngineConfig(purpose="causal_scoring", score_window=16, score_stride=8, warmup=False),
+    )
+    prompt = [*frontend.encode("Hi"), eos - 1]
+    request = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0}
+    with running_server(engine, frontend) as srv:
+        body = _score(srv, **request).json()
+        shown = _score(srv, **request, skip_special_tokens=False).json()
+        ignored = _score(srv, **request, ignore_eos=True)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == frontend.decode(prompt)
+    assert choice["logprobs"]["tokens"][-1] == frontend.decode([eos], skip_special_tokens=False)
+    assert choice["logprobs"]["token_logprobs"][-1] == -float(len(prompt))  # the scripted next-token value
+    assert shown["choices"][0]["text"].endswith(frontend.decode([eos], skip_special_tokens=False))
+    assert ignored.json()["choices"][0]["finish_reason"] == "length"

@@ -536,6 +536,30 @@ class BackfillProver(Protocol):
     ) -> ResourcePlan | None: ...
 
 
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The most likely tokens at one position, ``((token_id, logprob), ...)``, best first."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowScores:
+    """What ``ScoringProgram.score_window`` returns for one window of ``n`` tokens.
+
+    - ``logprobs``: ``n - 1`` entries; entry ``i`` is log p(token_ids[i+1] | token_ids[:i+1]).
+    - ``top``: ``n - 1`` entries when ``top_n > 0``, else empty; entry ``i`` holds exactly ``top_n``
+      pairs from the same position as ``logprobs[i]``.
+    - ``next_top``: when ``predict_next``, the ``max(top_n, 1)`` most likely tokens at position ``n``
+      (after the last token; entry 0 is the greedy next token), else empty.
+
+    Every value comes from the same fp32 logits and the same arithmetic (logit minus log-sum-exp), so a
+    token that is the most likely one has ``logprobs[i] == top[i][0][1]`` exactly: OpenAI-style clients
+    (lm-eval-harness' ``is_greedy``) compare these floats with ``==``.
+    """
+
+    logprobs: tuple[float, ...]
+    top: tuple[TopLogprobs, ...] = ()
+    next_top: TopLogprobs = ()
+
+
 @runtime_checkable
 class ScoringProgram(Protocol):
     """The Program side of the causal_scoring purpose (CausalScoreCore calls it serially).
@@ -549,6 +573,14 @@ class ScoringProgram(Protocol):
         """Longest window the Program can score."""
         ...
 
-    def score_window(self, token_ids: Sequence[int]) -> Sequence[float]:
-        """Return ``len(token_ids) - 1`` logprobs: entry ``i`` is log p(token_ids[i+1] | token_ids[:i+1])."""
+    def score_window(
+        self, token_ids: Sequence[int], top_n: int = 0, *, predict_next: bool = False
+    ) -> WindowScores:
+        """Score one window of ``1..max_context`` tokens on fresh, empty state (see ``WindowScores``).
+
+        Entry ``i`` of ``logprobs`` is log p(token_ids[i+1] | token_ids[:i+1]); with ``top_n`` (0..20)
+        each entry also carries the ``top_n`` most likely tokens at that position; with ``predict_next``
+        the result carries the ``max(top_n, 1)`` most likely tokens after the last token. Never
+        materialises all ``[len(token_ids), vocab]`` logits at once.
+        """
         ...

@@ -25,6 +25,7 @@ from ninfer.runtime.engine.engine_core import EngineCore
 from ninfer.runtime.engine.request_record import ResponseChannel
 from ninfer.runtime.scoring.core import CausalScoreCore
 from ninfer.types import (
+    MAX_TOP_LOGPROBS,
     Availability,
     EngineConfig,
     EngineFailed,
@@ -304,13 +305,21 @@ class Engine:
         )
 
     # ---- scoring ----
-    def score(self, texts: Sequence[str | Sequence[int]]) -> list[ScoreResult]:
-        """Causal log-probabilities of each text (or token-id list), windowed as in EngineConfig."""
+    def score(
+        self, texts: Sequence[str | Sequence[int]], *, top_n: int = 0, next_token: bool = False
+    ) -> list[ScoreResult]:
+        """Causal log-probabilities of each text (or token-id list), windowed as in EngineConfig.
+
+        ``top_n`` (0..20) adds each position's most likely tokens (``ScoreResult.top_logprobs``);
+        ``next_token`` adds the greedy prediction after the last token (``ScoreResult.next_token``).
+        """
         if self._scorer is None:
             raise RequestRejected(
                 "wrong_purpose",
                 "this Engine was started for generation; start one with purpose='causal_scoring' to score",
             )
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise RequestRejected("invalid_request", f"top_n must be 0..{MAX_TOP_LOGPROBS}, got {top_n}")
         with self._score_lock:
             if self._scoring_availability.state != "ready":
                 raise EngineFailed(f"the Engine is {self._scoring_availability.state}: "
@@ -326,7 +335,7 @@ class Engine:
                 except (ValueError, TypeError, KeyError) as exc:
                     raise RequestRejected("invalid_request", f"text cannot be tokenized: {exc}") from exc
                 try:
-                    out.append(self._scorer.score(ids))
+                    out.append(self._scorer.score(ids, top_n=top_n, next_token=next_token))
                 except Exception as exc:
                     reason = f"{type(exc).__name__}: {exc}"
                     self._scoring_availability = Availability("failed", reason)

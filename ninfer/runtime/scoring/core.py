@@ -8,7 +8,11 @@ State and Main KV inside the Program, serially. Window placement (``score_window
   window reaches the last token;
 - each token takes its logprob from the *first* window that scores it (the earliest-starting window
   that holds the token with at least one token before it), which is the window giving it the most
-  context; the first token of the text has no context and no logprob.
+  context; the first token of the text has no context and no logprob;
+- a token's top-n alternatives come from the same window as its logprob (the same logits), so a greedy
+  token's logprob equals its top-1 value exactly;
+- the prediction after the last token (``next_token``) comes from the last window, the one that ends at
+  the last token; a one-token text gets a one-token window for it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ninfer.runtime.contract.types import ScoringProgram
-from ninfer.types import ScoreResult
+from ninfer.runtime.contract.types import ScoringProgram, TokenLogprob, TopLogprobs, WindowScores
+from ninfer.types import MAX_TOP_LOGPROBS, ScoreResult
 
 
 @dataclass(frozen=True)
@@ -60,19 +64,74 @@ class CausalScoreCore:
         self.window = window
         self.stride = stride
 
-    def score(self, token_ids: Sequence[int]) -> ScoreResult:
+    def score(self, token_ids: Sequence[int], *, top_n: int = 0, next_token: bool = False) -> ScoreResult:
+        """Logprobs of ``token_ids[1:]``; with ``top_n`` their alternatives; with ``next_token`` the
+        greedy prediction after the last token."""
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_n must be 0..{MAX_TOP_LOGPROBS}, got {top_n}")
         ids = tuple(token_ids)
-        logprobs: list[float | None] = [None] * len(ids)
-        for w in plan_windows(len(ids), self.window, self.stride):
-            window_lps = list(self._program.score_window(ids[w.start : w.end]))
-            if len(window_lps) != w.end - w.start - 1:
-                raise RuntimeError(
-                    f"score_window returned {len(window_lps)} logprobs for {w.end - w.start} tokens"
-                )
+        n = len(ids)
+        logprobs: list[float | None] = [None] * n
+        tops: list[TopLogprobs | None] = [None] * n
+        windows = plan_windows(n, self.window, self.stride)
+        if next_token and n == 1:
+            windows = [ScoreWindow(0, 1, 1)]  # nothing to score, but the next token can be predicted
+        predicted: TokenLogprob | None = None
+        for w in windows:
+            last = next_token and w.end == n  # only the final window ends at the last token
+            scores = self._program.score_window(ids[w.start : w.end], top_n, predict_next=last)
+            self._check(scores, w, top_n, last)
             for t in range(w.first_new, w.end):
-                value = float(window_lps[t - w.start - 1])
-                if math.isnan(value) or value > 1e-6:
-                    raise RuntimeError(f"score_window returned an invalid logprob {value} at token {t}")
-                logprobs[t] = value
+                logprobs[t] = float(scores.logprobs[t - w.start - 1])
+                if top_n:
+                    tops[t] = _pairs(scores.top[t - w.start - 1])
+            if last:
+                next_top = _pairs(scores.next_top)
+                predicted = TokenLogprob(next_top[0][0], next_top[0][1], next_top[:top_n])
+        if next_token and n and predicted is None:
+            raise RuntimeError(f"no scoring window ended at the last token ({n}); windows {windows}")
         total_nll = -math.fsum(lp for lp in logprobs if lp is not None)
-        return ScoreResult(token_ids=ids, logprobs=tuple(logprobs), total_nll=total_nll)
+        return ScoreResult(
+            token_ids=ids,
+            logprobs=tuple(logprobs),
+            total_nll=total_nll,
+            top_logprobs=tuple(tops) if top_n else (),
+            next_token=predicted,
+        )
+
+    @staticmethod
+    def _check(scores: WindowScores, w: ScoreWindow, top_n: int, predict_next: bool) -> None:
+        """Refuse a malformed Program answer (wrong counts, NaN, positive logprobs, unsorted top-n):
+        publishing it would hand users wrong numbers."""
+        size = w.end - w.start
+        if len(scores.logprobs) != size - 1:
+            raise RuntimeError(f"score_window returned {len(scores.logprobs)} logprobs for {size} tokens")
+        if len(scores.top) != (size - 1 if top_n else 0):
+            raise RuntimeError(f"score_window returned {len(scores.top)} top-n lists for {size} tokens")
+        if len(scores.next_top) != (max(top_n, 1) if predict_next else 0):
+            raise RuntimeError(f"score_window returned {len(scores.next_top)} next-token alternatives")
+        for i, value in enumerate(scores.logprobs):
+            _check_logprob(value, f"token {w.start + i + 1}")
+        for i, top in enumerate(scores.top):
+            where = f"the top-n of token {w.start + i + 1}"
+            if len(top) != top_n:
+                raise RuntimeError(f"score_window returned {len(top)} alternatives in {where}, not {top_n}")
+            _check_top(top, where)
+        _check_top(scores.next_top, "the next-token top-n")
+
+
+def _pairs(top: TopLogprobs) -> TopLogprobs:
+    """Plain ``(int, float)`` pairs, whatever number types the Program used."""
+    return tuple((int(token_id), float(value)) for token_id, value in top)
+
+
+def _check_logprob(value: float, where: str) -> None:
+    if math.isnan(value) or value > 1e-6:
+        raise RuntimeError(f"score_window returned an invalid logprob {value} at {where}")
+
+
+def _check_top(top: TopLogprobs, where: str) -> None:
+    for _, value in top:
+        _check_logprob(value, where)
+    if any(a[1] < b[1] for a, b in zip(top, top[1:])):
+        raise RuntimeError(f"score_window returned alternatives not sorted best first in {where}")

@@ -3,7 +3,8 @@
 Allocated only when an Engine starts with ``purpose="causal_scoring"``: one StateImage slot and the KV
 pages of one window. Every window starts from zero state (``fresh``) and leaves nothing behind that a
 later window or request could see. Log-probs are computed from the final hidden states in row chunks,
-so a long window never materialises a ``[T, 248320]`` logits matrix at once.
+so a long window never materialises a ``[T, 248320]`` logits matrix at once; the top-n alternatives and
+the next-token prediction come from the same chunks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ninfer.runtime.contract.types import TopLogprobs, WindowScores
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
+from ninfer.types import MAX_TOP_LOGPROBS
 
 _LOGPROB_ROWS = 256  # hidden rows per lm_head chunk (bounds the fp32 logits staging)
 
@@ -44,12 +47,17 @@ class Qwen36ScoringProgram:
         return self.window
 
     @torch.inference_mode()
-    def score_window(self, token_ids: Sequence[int]) -> list[float]:
+    def score_window(
+        self, token_ids: Sequence[int], top_n: int = 0, *, predict_next: bool = False
+    ) -> WindowScores:
         n = len(token_ids)
         if not 1 <= n <= self.window:
             raise ValueError(f"a scoring window holds 1..{self.window} tokens, got {n}")
-        if n == 1:
-            return []
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_n must be 0..{MAX_TOP_LOGPROBS}, got {top_n}")
+        rows = n - 1 + int(predict_next)  # hidden rows whose logits are needed
+        if rows == 0:
+            return WindowScores(logprobs=())
         dev = self.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
         pos = torch.arange(n, dtype=torch.long, device=dev)
@@ -66,11 +74,27 @@ class Qwen36ScoringProgram:
         )
         hidden = forward(self.view, self.variant, batch, self.store, logits="none").hidden
         lm_head = self.view.text.lm_head
-        out: list[float] = []
-        for start in range(0, n - 1, _LOGPROB_ROWS):
-            stop = min(start + _LOGPROB_ROWS, n - 1)
+        logprobs: list[float] = []
+        top: list[TopLogprobs] = []
+        next_top: TopLogprobs = ()
+        for start in range(0, rows, _LOGPROB_ROWS):
+            stop = min(start + _LOGPROB_ROWS, rows)
             logits = torch.nn.functional.linear(hidden[start:stop], lm_head).float()
-            targets = ids[start + 1 : stop + 1]
-            lp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
-            out.extend(lp.tolist())
-        return out
+            log_norm = torch.logsumexp(logits, dim=-1)
+            scored = min(stop, n - 1) - start  # rows of this chunk that predict a token of the window
+            # Every value is (fp32 logit) - (log-sum-exp): a greedy token's logprob equals its top-1 value
+            # bit for bit, which OpenAI-style clients compare with ==.
+            targets = ids[start + 1 : start + 1 + scored]
+            lp = logits[:scored].gather(1, targets.unsqueeze(1)).squeeze(1) - log_norm[:scored]
+            logprobs.extend(lp.tolist())
+            k = max(top_n, 1) if stop > n - 1 else top_n  # the next-token row needs at least the greedy one
+            if k == 0:
+                continue
+            values, indices = logits.topk(k, dim=-1)
+            values = values - log_norm.unsqueeze(1)
+            pairs = [tuple(zip(i_row, v_row)) for i_row, v_row in zip(indices.tolist(), values.tolist())]
+            if top_n:
+                top.extend(row[:top_n] for row in pairs[:scored])
+            if stop > n - 1:
+                next_top = pairs[-1]
+        return WindowScores(logprobs=tuple(logprobs), top=tuple(top), next_top=next_top)
