@@ -9,7 +9,9 @@ import sys
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto)")
     p.add_argument(
-        "--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
         help="compute dtype (auto: float32 on CPU, the artifact's storage dtype on GPU)",
     )
     p.add_argument("--max-context", type=int, default=None, help="context limit per request (tokens)")
@@ -20,3 +22,27 @@ def fail(message: str) -> int:
     """One line on stderr, exit status 1: the CLI's way to report a product error."""
     print(f"ninfer: error: {message}", file=sys.stderr)
     return 1
+
+
+BUNDLED_PACKAGE = "qwen3_6_demo"
+
+
+def bundled_artifact() -> str:
+    """Path of the demo model that ships inside the package (tools/train_demo made it)."""
+    from importlib.resources import files
+
+    return str(files("ninfer.targets.qwen3_6_demo") / "qwen3_6_demo.ninfer")
+
+
+def split_artifact(positionals: list[str], inputs: int, what: str) -> tuple[str, list[str]]:
+    """``[ARTIFACT] INPUT...``: with one positional more than ``inputs`` the first is the artifact;
+    otherwise the bundled demo model is used and said so on stderr."""
+    if len(positionals) == inputs + 1:
+        return positionals[0], positionals[1:]
+    if len(positionals) > inputs + 1:
+        raise SystemExit(f"ninfer: error: expected [ARTIFACT] {what}, got {len(positionals)} arguments")
+    path = bundled_artifact()
+    print(
+        f"ninfer: no artifact given, using the bundled demo model {BUNDLED_PACKAGE} ({path})", file=sys.stderr
+    )
+    return path, positionals

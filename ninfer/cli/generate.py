@@ -1,4 +1,7 @@
-"""`ninfer generate ARTIFACT PROMPT`: one request through the public Engine, streamed to the terminal.
+"""`ninfer generate [ARTIFACT] PROMPT`: one request through the public Engine, streamed to the terminal.
+
+Without an artifact the bundled demo model runs. Sampling settings the command line leaves out come from
+the model's generation config (temperature, top-p, top-k, min-p, repetition penalty), as in vLLM.
 
 The prompt goes through the package's chat template as one user message (thinking on unless
 `--no-think`); `--raw` sends it as plain text instead. Reasoning text is printed dimmed when stdout is
@@ -12,15 +15,17 @@ import json
 import sys
 from typing import Any
 
-from ninfer.cli.common import add_engine_flags, fail
+from ninfer.cli.common import add_engine_flags, fail, split_artifact
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("artifact", help="a .ninfer file")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument(
+        "positionals", nargs="+", metavar="[ARTIFACT] PROMPT",
+        help="a .ninfer file (default: the bundled demo model) and the prompt text",
+    )
     p.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
     p.add_argument("--system", default=None, help="system message (chat mode)")
     p.add_argument("--no-think", action="store_true", help="chat template with enable_thinking=false")
@@ -29,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument(
@@ -50,6 +56,7 @@ def build_request(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
         top_p=pick(args.top_p, "top_p", 1.0),
         top_k=pick(args.top_k, "top_k", 0),
         min_p=pick(args.min_p, "min_p", 0.0),
+        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0),
         seed=args.seed,
         stop=args.stop,
     )
@@ -66,12 +73,13 @@ def build_request(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
 def run(args: argparse.Namespace) -> int:
     from ninfer import Engine, EngineConfig, GenerationDelta, GenerationResult, NInferError
 
+    artifact, (args.prompt,) = split_artifact(args.positionals, 1, "PROMPT")
     config = EngineConfig(
         max_concurrency=1, queue_capacity=1, device=args.device, dtype=args.dtype,
         max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, warmup=False,
     )
     try:
-        engine = Engine(args.artifact, config)
+        engine = Engine(artifact, config)
     except (OSError, ValueError, NInferError) as e:
         return fail(str(e))
     with engine:

@@ -1,4 +1,4 @@
-"""`ninfer score ARTIFACT [FILE|-]`: causal log-probs of a text through the causal_scoring purpose.
+"""`ninfer score [ARTIFACT] [FILE|-]`: causal log-probs of a text through the causal_scoring purpose.
 
 The text is scored raw: no chat template and no added special tokens. `logprobs[i]` is the natural-log
 probability of token i given the tokens before it (None for the first token). Texts longer than the
@@ -13,13 +13,15 @@ import math
 import sys
 from pathlib import Path
 
-from ninfer.cli.common import add_engine_flags, fail
+from ninfer.cli.common import add_engine_flags, fail, split_artifact
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("score", help="per-token log-probs and total NLL of a text")
-    p.add_argument("artifact", help="a .ninfer file")
-    p.add_argument("file", nargs="?", default="-", help="text file to score, or - for stdin (default)")
+    p.add_argument(
+        "positionals", nargs="*", metavar="[ARTIFACT] [FILE|-]",
+        help="a .ninfer file (default: the bundled demo model) and the text file to score (- or none: stdin)",
+    )
     p.add_argument("--window", type=int, default=2048, help="tokens per scoring window")
     p.add_argument("--stride", type=int, default=1024, help="tokens a window advances by")
     p.add_argument("--json", action="store_true", help='print {"token_ids", "logprobs", "total_nll"}')
@@ -30,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ninfer import Engine, EngineConfig, NInferError
 
+    positionals = args.positionals or ["-"]
+    artifact, (args.file,) = split_artifact(positionals, 1, "FILE")
     try:
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             purpose="causal_scoring", device=args.device, dtype=args.dtype, max_context=args.max_context,
             score_window=args.window, score_stride=args.stride, warmup=False,
         )
-        with Engine(args.artifact, config) as engine:
+        with Engine(artifact, config) as engine:
             result = engine.score([text])[0]
             frontend = engine.frontend
     except (OSError, ValueError, NInferError) as e:

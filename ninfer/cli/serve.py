@@ -12,7 +12,7 @@ import ipaddress
 import os
 import sys
 
-from ninfer.cli.common import add_engine_flags, fail
+from ninfer.cli.common import add_engine_flags, fail, split_artifact
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, "
         "/metrics).",
     )
-    p.add_argument("artifact", help="a .ninfer file")
+    p.add_argument(
+        "artifact", nargs="?", default=None, help="a .ninfer file (default: the bundled demo model)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-concurrency", type=int, default=4, help="requests generating at once, 1..8 (4)")
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return fail(str(e))
+    if args.artifact is None:
+        args.artifact, _ = split_artifact([], 0, "")
     try:
         with Artifact.open(args.artifact) as artifact:
             package = check_identity(artifact)

@@ -8,12 +8,14 @@ from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6_27b import PACKAGE as QWEN3_6_27B
 from ninfer.targets.qwen3_6_35b_a3b import PACKAGE as QWEN3_6_35B_A3B
+from ninfer.targets.qwen3_6_demo import PACKAGE as QWEN3_6_DEMO
 from ninfer.targets.qwen3_6_tiny import PACKAGE as QWEN3_6_TINY
 from ninfer.targets.qwen3_6_tiny_moe import PACKAGE as QWEN3_6_TINY_MOE
 from ninfer.targets.qwen3_8_27b import PACKAGE as QWEN3_8_27B
 
 PACKAGES: dict[str, Package] = {
-    p.name: p for p in (QWEN3_6_27B, QWEN3_6_35B_A3B, QWEN3_8_27B, QWEN3_6_TINY, QWEN3_6_TINY_MOE)
+    p.name: p
+    for p in (QWEN3_6_27B, QWEN3_6_35B_A3B, QWEN3_8_27B, QWEN3_6_DEMO, QWEN3_6_TINY, QWEN3_6_TINY_MOE)
 }
 
 

@@ -17,6 +17,7 @@ Split (by path relative to sysconfig's ``stdlib`` directory, all ``*.py`` files,
   separators), so ``xz -9`` on ``heldout.txt`` is the compression baseline; ``text/manifest.json``
   gives each file's split, byte range and sha256;
 - ``data/``: everything the GPU machine needs, no tokenizer run there: ``tokenizer.json``,
+  ``chat_template.jinja`` (the real Qwen3.6 template),
   ``{train,val,heldout}.npy`` (uint16 token streams: ``<|endoftext|>`` then the file's tokens, per file)
   and ``meta.json`` (per-file token spans and byte counts, special ids, provenance).
 """
@@ -46,6 +47,8 @@ HELDOUT_PACKAGES = ("asyncio", "json", "email")
 EXCLUDED_TREES = ("site-packages", "test", "idlelib/idle_test", "lib2to3/tests")
 VAL_MODULUS = 50  # a file is in val when crc32(path) % VAL_MODULUS == 0 (about 2%)
 DEFAULT_VOCAB_SIZE = 8192
+# the real Qwen3.6 chat template, copied into data/ so the GPU machine needs nothing else
+DEFAULT_CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen3_6.jinja"
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def split_of(rel: PurePosixPath) -> Split | None:
+def split_of(rel: PurePosixPath, val_modulus: int = VAL_MODULUS) -> Split | None:
     """Which split a stdlib-relative ``*.py`` path belongs to; None when it is excluded."""
     text = rel.as_posix()
     if any(text == tree or text.startswith(tree + "/") for tree in EXCLUDED_TREES):
@@ -68,19 +71,19 @@ def split_of(rel: PurePosixPath) -> Split | None:
         return None
     if rel.parts[0] in HELDOUT_PACKAGES and len(rel.parts) > 1:
         return "heldout"
-    if zlib.crc32(text.encode("utf-8")) % VAL_MODULUS == 0:
+    if zlib.crc32(text.encode("utf-8")) % val_modulus == 0:
         return "val"
     return "train"
 
 
-def list_sources(root: Path) -> list[SourceFile]:
+def list_sources(root: Path, val_modulus: int = VAL_MODULUS) -> list[SourceFile]:
     """Every included ``*.py`` file under ``root`` with its split, in sorted path order."""
     out = []
     for path in root.rglob("*.py"):
         if not path.is_file():
             continue
         rel = PurePosixPath(path.relative_to(root).as_posix())
-        split = split_of(rel)
+        split = split_of(rel, val_modulus)
         if split is not None:
             out.append(SourceFile(rel.as_posix(), split))
     return sorted(out, key=lambda f: f.path)
@@ -95,6 +98,9 @@ def build_corpus(
     out_dir: str | Path,
     root: str | Path | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    val_modulus: int = VAL_MODULUS,
+    chat_template: str | Path = DEFAULT_CHAT_TEMPLATE,
     log: bool = False,
 ) -> dict[str, Any]:
     """Split the stdlib, train the tokenizer on the train split, write text, tokens and meta; returns meta."""
@@ -103,7 +109,7 @@ def build_corpus(
     out = Path(out_dir)
     (out / "text").mkdir(parents=True, exist_ok=True)
     (out / "data").mkdir(parents=True, exist_ok=True)
-    files = list_sources(root)
+    files = list_sources(root, val_modulus)
     texts = {f.path: read_source(root, f.path) for f in files}
     by_split: dict[Split, list[str]] = {s: [f.path for f in files if f.split == s] for s in SPLITS}
     for split in SPLITS:
@@ -118,8 +124,13 @@ def build_corpus(
                 raw = texts[rel].encode("utf-8")
                 fh.write(raw)
                 manifest["files"].append(
-                    {"path": rel, "split": split, "start": offset, "bytes": len(raw),
-                     "sha256": hashlib.sha256(raw).hexdigest()}
+                    {
+                        "path": rel,
+                        "split": split,
+                        "start": offset,
+                        "bytes": len(raw),
+                        "sha256": hashlib.sha256(raw).hexdigest(),
+                    }
                 )
                 offset += len(raw)
     (out / "text" / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -127,6 +138,7 @@ def build_corpus(
 
     tok = train_tokenizer((texts[p] for p in by_split["train"]), vocab_size)
     save_tokenizer(tok, out / "data" / "tokenizer.json")
+    (out / "data" / "chat_template.jinja").write_bytes(Path(chat_template).read_bytes())
     tok = load_tokenizer(out / "data" / "tokenizer.json")  # encode with exactly the saved file
     special = special_tokens_of(tok)
     t_tok = time.perf_counter()

@@ -86,9 +86,22 @@ def empty_tokenizer() -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     return tok
+
+
+def _with_qwen_decoder(tok: Tokenizer) -> Tokenizer:
+    """Set the decoder's flags as Qwen's tokenizer.json has them (the Python ByteLevel decoder takes none;
+    they do not change decoding, but the file then matches the real one)."""
+    doc = json.loads(tok.to_str())
+    doc["decoder"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": False,
+    }
+    return Tokenizer.from_str(json.dumps(doc))
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
@@ -114,10 +127,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     if learned != bpe_size:
         raise ValueError(f"the corpus yields only {learned} BPE tokens, {bpe_size} wanted; lower vocab_size")
     tok.add_special_tokens(
-        [AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
-         for t in QWEN_SPECIAL_TOKENS]
+        [
+            AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+            for t in QWEN_SPECIAL_TOKENS
+        ]
     )
-    return tok
+    return _with_qwen_decoder(tok)
 
 
 def special_tokens_of(tok: Tokenizer) -> SpecialTokens:
