@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect_cmd",
     "convert": "convert",
     "generate": "generate",
+    "chat": "chat",
     "score": "score",
     "serve": "serve",
 }

@@ -1,0 +1,401 @@
+"""`ninfer chat [ARTIFACT]`: an interactive multi-turn chat in the terminal through the public Engine.
+
+One Engine serves the whole session (one lane, no warmup). Each user turn is one chat request whose
+``messages`` hold the whole conversation so far, as OpenAI-style messages: assistant turns keep their
+``reasoning_content`` and ``tool_calls`` so the chat template renders the history the way the model
+expects. Replies stream; reasoning is dimmed when stdout is a terminal and wrapped in ``<think>`` ...
+``</think>`` otherwise.
+
+Input: one line per turn; a line ending in ``\\`` continues on the next line, and ``\"\"\"`` opens a block
+that ends at a line ending in ``\"\"\"``. Lines starting with ``/`` are commands (``/help``). Ctrl-C while
+a reply streams cancels it (the turn is dropped) and returns to the prompt; Ctrl-D or end of input exits
+with status 0. With stdin not a terminal (``echo hi | ninfer chat``) every line is a turn and no prompt
+decoration is printed. A turn the Engine rejects (the context limit, for example) prints the Engine's
+message and leaves the conversation as it was; ``/reset`` clears it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ninfer.cli.common import add_engine_flags, fail, split_artifact
+
+if TYPE_CHECKING:  # the CLI imports the Engine lazily, so `ninfer --help` stays fast
+    from ninfer import Engine, GenerationDelta, GenerationRequest, GenerationResult
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+PROMPT, CONTINUATION = ">>> ", "... "
+TRIPLE_QUOTE = '"""'
+
+# a sampling field the command line and the model's generation config both leave out takes OpenAI's value
+SAMPLING_FALLBACKS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+HELP = """commands:
+  /exit, /quit      leave the chat (Ctrl-D or end of input does too)
+  /reset            forget the conversation (the --system message stays)
+  /think on|off     let the model think before answering, or not; /think alone shows the setting
+  /help             this text
+input:
+  a line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\"
+  (a block is always sent as a message, even when it starts with /)
+  Ctrl-C while the model answers cancels the reply and drops the turn"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    p.add_argument("artifact", nargs="?", help="a .ninfer file (default: the bundled demo model)")
+    p.add_argument("--system", default=None, help="system message for the whole conversation")
+    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on turns it on)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="generated-token cap per reply (default: until the model ends its turn or the context is full)",
+    )
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's generation config")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of every reply (default: fresh)")
+    p.add_argument(
+        "--verbose", action="store_true",
+        help="after each reply print why it ended, token counts and speed on stderr",
+    )
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def sampling_options(args: argparse.Namespace, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling fields of every turn's request: the flag, else the model's generation config, else
+    OpenAI's default (as ``ninfer generate`` and ``ninfer serve`` do)."""
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    out: dict[str, Any] = {}
+    for name, fallback in SAMPLING_FALLBACKS.items():
+        value = flags.get(name)
+        out[name] = value if value is not None else defaults.get(name, fallback)
+    if args.temperature is None and defaults.get("do_sample") is False:
+        out["temperature"] = 0.0  # the model asks for greedy decoding
+    out["seed"] = args.seed
+    out["max_tokens"] = args.max_tokens
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Conversation
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    """The history sent with every turn, as OpenAI-style chat messages."""
+
+    system: str | None = None
+    enable_thinking: bool = True
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+    def messages(self, user_text: str) -> list[dict[str, Any]]:
+        """The request's messages: system, the history, then the new user message."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return [*head, *self.turns, {"role": "user", "content": user_text}]
+
+    def record(self, user_text: str, reply: GenerationResult) -> None:
+        """Keep a finished turn. Reasoning and tool calls go with the assistant message so the chat
+        template can render (or drop, per its own rules) them in later prompts."""
+        assistant: dict[str, Any] = {"role": "assistant", "content": reply.text}
+        if reply.reasoning_text:
+            assistant["reasoning_content"] = reply.reasoning_text
+        if reply.tool_calls:
+            assistant["tool_calls"] = [
+                {
+                    "id": call.id or f"call_{call.index}",
+                    "type": "function",
+                    "function": {"name": call.name or "", "arguments": call.arguments},
+                }
+                for call in reply.tool_calls
+            ]
+        self.turns += [{"role": "user", "content": user_text}, assistant]
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UserInput:
+    """One user turn as typed; ``quoted`` input (a triple-quote block) is never a command."""
+
+    text: str
+    quoted: bool = False
+
+
+class TurnReader:
+    """Reads one user turn at a time: a line, a ``\\``-continued line, or a triple-quote block.
+
+    Interactive (stdin is a terminal) it prompts through ``input()`` (readline editing when available);
+    otherwise it reads stdin lines silently. ``read`` returns ``None`` at end of input.
+    """
+
+    def __init__(self, stream: TextIO, interactive: bool) -> None:
+        self.stream = stream
+        self.interactive = interactive
+        if interactive:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (line editing and in-session history for input())
+
+    def _line(self, prompt: str) -> str | None:
+        if self.interactive:
+            try:
+                return input(prompt)
+            except EOFError:
+                return None
+        line = self.stream.readline()
+        return line.removesuffix("\n").removesuffix("\r") if line else None
+
+    def read(self) -> UserInput | None:
+        line = self._line(PROMPT)
+        if line is None:
+            return None
+        if line.lstrip().startswith(TRIPLE_QUOTE):
+            return UserInput(self._block(line.lstrip()[len(TRIPLE_QUOTE) :]), quoted=True)
+        parts = []
+        while line is not None and line.endswith("\\"):
+            parts.append(line[:-1])
+            line = self._line(CONTINUATION)
+        parts.append(line or "")
+        return UserInput("\n".join(parts))
+
+    def _block(self, first: str) -> str:
+        """Lines up to the one ending in the closing triple quote (or end of input)."""
+        lines: list[str] = []
+        line: str | None = first
+        while line is not None:
+            if line.rstrip().endswith(TRIPLE_QUOTE):
+                lines.append(line.rstrip()[: -len(TRIPLE_QUOTE)])
+                break
+            lines.append(line)
+            line = self._line(CONTINUATION)
+        return "\n".join(lines).strip("\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------
+
+
+class ReplyPrinter:
+    """Streams one reply: reasoning dimmed on a terminal (``<think>`` markers otherwise), then the answer."""
+
+    def __init__(self, out: TextIO, terminal: bool) -> None:
+        self.out = out
+        self.terminal = terminal
+        self.channel: str | None = None  # "reasoning" or "content" once something was written
+
+    def _switch(self, channel: str) -> None:
+        if channel == self.channel:
+            return
+        if self.channel == "reasoning":
+            self.out.write(RESET + "\n\n" if self.terminal else "\n</think>\n\n")
+        if channel == "reasoning":
+            self.out.write(DIM if self.terminal else "<think>\n")
+        self.channel = channel
+
+    def delta(self, event: GenerationDelta) -> None:
+        if event.reasoning_text:
+            self._switch("reasoning")
+            self.out.write(event.reasoning_text)
+        if event.text:
+            self._switch("content")
+            self.out.write(event.text)
+        self.out.flush()
+
+    def finish(self, reply: GenerationResult | None) -> None:
+        """Close an open reasoning block, show tool calls, end the reply with a blank line."""
+        if self.channel == "reasoning":
+            self.out.write(RESET if self.terminal else "\n</think>")
+        for call in reply.tool_calls if reply is not None else ():
+            self.out.write(f"\n[tool call] {call.name}({call.arguments})")
+        self.out.write("\n\n")  # a blank line between replies
+        self.out.flush()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Session
+# ---------------------------------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ChatSession:
+    """One Engine, one conversation, one reply at a time."""
+
+    def __init__(self, engine: Engine, args: argparse.Namespace, interactive: bool) -> None:
+        self.engine = engine
+        self.interactive = interactive
+        self.conversation = Conversation(system=args.system, enable_thinking=not args.no_think)
+        self.sampling = sampling_options(args, engine.frontend.generation_defaults)
+        self.verbose = args.verbose
+        self.terminal_out = sys.stdout.isatty()
+
+    def command(self, text: str) -> bool:
+        """Run a ``/command``; False means leave the chat."""
+        name, _, rest = text.strip().partition(" ")
+        rest = rest.strip()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name in ("/reset", "/clear"):
+            self.conversation.reset()
+            _say("[conversation cleared]")
+        elif name == "/think":
+            if rest in ("on", "off"):
+                self.conversation.enable_thinking = rest == "on"
+            elif rest:
+                _say(f"ninfer: error: /think takes on or off, got {rest!r}")
+                return True
+            _say(f"[thinking {'on' if self.conversation.enable_thinking else 'off'}]")
+        elif name in ("/help", "/?"):
+            _say(HELP)
+        else:
+            _say(f"ninfer: error: unknown command {name}; /help lists the commands (a \"\"\" block sends "
+                 "text that starts with /)")
+        return True
+
+    def request(self, user_text: str, max_tokens: int | None) -> GenerationRequest:
+        from ninfer import GenerationRequest
+
+        return GenerationRequest(
+            messages=self.conversation.messages(user_text),
+            chat_template_kwargs={"enable_thinking": self.conversation.enable_thinking},
+            **{**self.sampling, "max_tokens": max_tokens},
+        )
+
+    def turn(self, user_text: str) -> None:
+        """Send one user message, stream the reply, keep the turn if it completed. Raises EngineFailed
+        when the Engine as a whole failed (the session cannot go on)."""
+        from ninfer import EngineFailed, GenerationDelta, GenerationResult, RequestRejected
+
+        max_tokens = self.sampling["max_tokens"]
+        try:
+            handle = self.engine.submit(self.request(user_text, max_tokens))
+        except RequestRejected as e:
+            if e.kind != "context_too_long" or max_tokens is None:
+                _say(f"ninfer: error: {e.message} (/reset clears the conversation)")
+                return
+            # the prompt fits but not with --max-tokens more: reply up to the context limit instead
+            try:
+                handle = self.engine.submit(self.request(user_text, None))
+            except RequestRejected as again:
+                _say(f"ninfer: error: {again.message} (/reset clears the conversation)")
+                return
+        printer = ReplyPrinter(sys.stdout, self.terminal_out)
+        started = time.monotonic()
+        reply: GenerationResult | None = None
+        with handle:
+            try:
+                for event in handle:
+                    if isinstance(event, GenerationDelta):
+                        printer.delta(event)
+                    elif isinstance(event, GenerationResult):
+                        reply = event
+            except KeyboardInterrupt:
+                handle.cancel()  # stop at the worker's next boundary, then collect the terminal result
+                reply = handle.result(raise_on_error=False)
+            finally:
+                printer.finish(reply)  # even if a second Ctrl-C ends the wait: never leave the terminal dim
+        assert reply is not None
+        if reply.finish_reason == "error":
+            if isinstance(reply.error, EngineFailed):
+                raise reply.error
+            _say(f"ninfer: error: {reply.error}")
+            return
+        if reply.finish_reason == "cancelled":
+            _say("[cancelled; the turn was dropped]")
+            return
+        self.conversation.record(user_text, reply)
+        if reply.finish_reason == "length":
+            _say(f"[reply cut at {reply.usage.completion_tokens} tokens: --max-tokens or the context limit]")
+        if self.verbose:
+            seconds = time.monotonic() - started
+            u = reply.usage
+            rate = u.completion_tokens / max(seconds, 1e-9)
+            _say(f"[{reply.finish_reason}; {u.prompt_tokens} prompt ({u.reused_prefix_tokens} cached) + "
+                 f"{u.completion_tokens} generated tokens, {rate:.1f} tok/s]")
+
+    def loop(self, reader: TurnReader) -> int:
+        while True:
+            try:
+                user = reader.read()
+            except KeyboardInterrupt:
+                if not self.interactive:
+                    raise
+                _say("\n(Ctrl-D or /exit to quit)")  # like a shell: Ctrl-C drops the line being typed
+                continue
+            if user is None:
+                if self.interactive:
+                    print()  # leave the terminal on a fresh line after ^D
+                return 0
+            if not user.quoted and user.text.lstrip().startswith("/"):
+                if not self.command(user.text):
+                    return 0
+                continue
+            if user.text.strip():
+                try:
+                    self.turn(user.text)
+                except KeyboardInterrupt:
+                    # Ctrl-C while the prompt was prepared, or a second one while a cancelled reply wound
+                    # down: the handle (if any) was closed, which cancels its request
+                    _say("\n[cancelled; the turn was dropped]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ninfer import Engine, EngineConfig, EngineFailed, NInferError
+
+    artifact, _ = split_artifact([args.artifact] if args.artifact else [], 0, "")
+    config = EngineConfig(
+        max_concurrency=1, queue_capacity=1, device=args.device, dtype=args.dtype,
+        max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, warmup=False,
+    )
+    try:
+        engine = Engine(artifact, config)
+    except (OSError, ValueError, NInferError) as e:
+        return fail(str(e))
+    interactive = sys.stdin.isatty()
+    with engine:
+        session = ChatSession(engine, args, interactive)
+        # refuse bad sampling flags once, before the first turn, rather than on every turn
+        problems = session.request("probe", session.sampling["max_tokens"]).problems()
+        if problems:
+            return fail("; ".join(problems))
+        if interactive:
+            _say(f"ninfer chat: {engine.package_name or artifact} (context {engine.max_context} tokens, "
+                 f"thinking {'on' if session.conversation.enable_thinking else 'off'}); /help for commands, "
+                 "Ctrl-D to quit")
+        try:
+            return session.loop(TurnReader(sys.stdin, interactive))
+        except EngineFailed as e:
+            return fail(str(e))
+
