@@ -41,6 +41,9 @@ def split_artifact(positionals: list[str], inputs: int, what: str) -> tuple[str,
         return positionals[0], positionals[1:]
     if len(positionals) > inputs + 1:
         raise SystemExit(f"ninfer: error: expected [ARTIFACT] {what}, got {len(positionals)} arguments")
+    if what == "PROMPT" and positionals and positionals[0].endswith(".ninfer"):
+        # `ninfer generate model.ninfer` with the prompt forgotten: do not feed the path to the demo model
+        raise SystemExit(f"ninfer: error: {positionals[0]!r} looks like an artifact; give a prompt after it")
     path = bundled_artifact()
     print(
         f"ninfer: no artifact given, using the bundled demo model {BUNDLED_PACKAGE} ({path})", file=sys.stderr

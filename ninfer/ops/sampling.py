@@ -407,6 +407,7 @@ def sample(
     prompt_mask: torch.Tensor | None = None,
     output_counts: torch.Tensor | None = None,
     num_logprobs: int = 0,
+    with_logprob: bool = True,
 ) -> SampleResult:
     """Draw one token per row.
 
@@ -414,6 +415,8 @@ def sample(
     of the token being sampled; with the row's seed it is the whole random state. num_logprobs: how
     many top raw log-probs to return per row (static; rows wanting fewer slice).
     Log-probs are those of the raw logits (before penalties, temperature and truncation).
+    ``with_logprob=False`` (no row asked for log-probs) skips the full-vocabulary normaliser; the
+    returned ``logprob`` is then zeros and ``num_logprobs`` must be 0.
     """
     raw = logits.float()
     vocab = raw.shape[-1]
@@ -429,6 +432,11 @@ def sample(
         filtered.sub_(_log_exponential(batch.seed, positions, vocab, stream=0))  # + Gumbel noise
         tokens = torch.where(batch.greedy, tokens, filtered.argmax(dim=-1))
 
+    if not with_logprob:
+        if num_logprobs:
+            raise ValueError("num_logprobs needs with_logprob=True")
+        empty = torch.empty((raw.shape[0], 0), device=raw.device)
+        return SampleResult(tokens, torch.zeros_like(tokens, dtype=torch.float32), empty.long(), empty)
     log_normaliser = torch.logsumexp(raw, dim=-1)
     logprob = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
     if num_logprobs > 0:

@@ -100,6 +100,7 @@ def open_target(artifact_path: str, config: Any) -> OpenedTarget:
             f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
         )
     pages_per_seq = -(-max_context // config.page_size)
+    _check_state_memory(variant, config, pages_per_seq * config.max_concurrency, max_context, dtype, device)
     program = Qwen36Program(
         variant,
         view,
@@ -114,6 +115,35 @@ def open_target(artifact_path: str, config: Any) -> OpenedTarget:
         ),
     )
     return OpenedTarget(program, frontend, package.name)
+
+
+def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of the Program's StateStore: GDN conv + fp32 recurrent slots, and K/V pages."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    n_gdn, n_attn = len(variant.gdn_layers), len(variant.attention_layers)
+    conv = n_gdn * num_slots * variant.conv_dim * (variant.linear_conv_kernel_dim - 1) * elem
+    rec = n_gdn * num_slots * variant.linear_num_value_heads * variant.linear_key_head_dim
+    rec *= variant.linear_value_head_dim * 4
+    kv = 2 * n_attn * num_pages * page_size * variant.num_kv_heads * variant.head_dim * elem
+    return conv + rec + kv
+
+
+def _check_state_memory(
+    variant: Any, config: Any, num_pages: int, max_context: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Refuse, with the flags to change, a KV pool that cannot fit next to the weights."""
+    if device.type != "cuda":
+        return
+    need = state_bytes(variant, 2 * config.max_concurrency, num_pages, config.page_size, dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    headroom = 2 * 2**30  # activations, sampling and graph pools
+    if need + headroom > free:
+        gib = 2**30
+        raise ValueError(
+            f"the KV pool for max_context={max_context} x max_concurrency={config.max_concurrency} needs "
+            f"{need / gib:.1f} GiB (+{headroom / gib:.0f} GiB working space) but {free / gib:.1f} GiB is "
+            "free after the weights; lower --max-context or --max-concurrency"
+        )
 
 
 def _storage_dtype(artifact: Any) -> torch.dtype:

@@ -22,6 +22,7 @@ from ninfer.targets.qwen3_6.frontend import (
     convert_param_value,
     parse_tool_call,
 )
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 IM_END = 248046
@@ -68,8 +69,8 @@ BOOK_ARGS: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def fe() -> Frontend:
     res = FrontendResources(
-        tokenizer_json=(FIXTURES / "tokenizer.json").read_bytes(),
-        chat_template=(FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8"),
+        tokenizer_json=(RESOURCE_DIR / "tokenizer.json").read_bytes(),
+        chat_template=(RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8"),
         generation_config={"eos_token_id": [248046, 248044]},
     )
     return Frontend.from_resources(res, SpecialTokens())
@@ -289,6 +290,8 @@ def test_convert_param_value_by_schema() -> None:
         ("null", {"type": ["integer", "null"]}, None),
         ("5", {"type": ["integer", "null"]}, 5),
         ("eco", {"enum": ["eco", "biz"]}, "eco"),
+        ("3", {"enum": None}, 3),  # malformed schemas type nothing and never raise
+        ("3", {"enum": 5}, 3),
         ("3", None, 3),
         ('{"k": 1}', {}, {"k": 1}),
         ("hello", None, "hello"),

@@ -107,3 +107,15 @@ def test_real_configs_build_transformers_models_of_the_schema_shapes() -> None:
             if s.group != "mtp"
         }
         assert hf == ours, name
+
+
+def test_state_bytes_of_the_27b_match_the_reference_table() -> None:
+    import torch
+
+    from ninfer.targets.open import state_bytes
+
+    v = PACKAGES["qwen3_6_27b"].variant
+    # one StateImage slot: conv 48 x 10240 x 3 x 2 B + recurrent 144 MiB fp32; KV 64 KiB per token
+    slot = 48 * 10240 * 3 * 2 + 144 * 2**20
+    assert state_bytes(v, 1, 0, 64, torch.bfloat16) == slot
+    assert state_bytes(v, 0, 32, 64, torch.bfloat16) == 2048 * 64 * 2**10

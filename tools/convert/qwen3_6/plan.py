@@ -1,7 +1,10 @@
 """Mapping a checkpoint's tensors onto the family weight schema, checked completely before writing.
 
 Checkpoint names:  ``model.language_model.X`` -> ``X``; ``model.visual.X`` -> ``visual.X``;
-``lm_head.weight`` and ``mtp.X`` kept; ``model.X`` -> ``X`` for text-only (``*ForCausalLM``) checkpoints.
+``lm_head.weight`` and ``mtp.X`` kept; ``model.X`` -> ``X`` for checkpoints saved with the text-only
+naming (``*ForCausalLM``). Every registered package includes its vision and MTP weights, so such a
+checkpoint converts only when those tensors are present too; a text-only fine-tune without them is
+refused, listing them as missing (optional weight groups are not supported yet).
 MoE experts come fused (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) or per
 expert (``experts.{e}.gate_proj/up_proj/down_proj.weight``), which the plan fuses: gate rows then up
 rows per expert, the layout the schema stores.

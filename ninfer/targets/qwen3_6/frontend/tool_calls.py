@@ -69,8 +69,8 @@ def _schema_type(schema: Any) -> str | None:
         t = next((x for x in t if x != "null"), None)
     if isinstance(t, str):
         return t.lower()
-    if "enum" in schema:
-        values = schema["enum"]
+    values = schema.get("enum")
+    if isinstance(values, list) and values:  # a malformed enum types nothing (never raises)
         return "string" if all(isinstance(v, str) for v in values) else None
     return None
 

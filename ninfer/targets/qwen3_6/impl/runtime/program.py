@@ -103,7 +103,9 @@ class Qwen36Program:
         vocab = variant.vocab_size
         self._prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=config.device)
         self._output_counts = torch.zeros(n, vocab, dtype=torch.int32, device=config.device)
-        self._steps = StepBuilder(config.page_size, self._max_pages_per_seq, config.device)
+        # block tables are resources built once: one row per sequence index, written at materialization
+        self._block_tables = torch.zeros(n, self._max_pages_per_seq, dtype=torch.int32, device=config.device)
+        self._steps = StepBuilder(config.page_size, self._block_tables)
         self._sequences: dict[int, SequenceState] = {}
         self._generations = [0] * n
         self._revision = 0
@@ -247,6 +249,8 @@ class Qwen36Program:
             spare=slots[1],
             pages=pages,
         )
+        self._block_tables[index].zero_()
+        self._block_tables[index, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         if penalised:
             self._prompt_mask[index].zero_()
             self._prompt_mask[index, torch.tensor(request.prompt_token_ids, device=self.config.device)] = True
@@ -352,7 +356,6 @@ class Qwen36Program:
                 seq.state_valid = False
             if accepted:
                 seq.pending_input = accepted[-1]
-                seq.generated.extend(accepted)
                 if seq.penalised:
                     ids = torch.tensor(accepted, device=self.config.device)
                     self._output_counts[row.handle.index].index_add_(
@@ -396,6 +399,7 @@ class Qwen36Program:
         )
         penalised = any(s.penalised for s in seqs)
         index = torch.tensor([s.handle.index for s in seqs], device=self.config.device)
+        want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
         result = sample(
             logits,
@@ -404,17 +408,18 @@ class Qwen36Program:
             prompt_mask=self._prompt_mask[index] if penalised else None,
             output_counts=self._output_counts[index] if penalised else None,
             num_logprobs=top_n,
+            with_logprob=want_logprobs,
         )
-        tokens = result.tokens.tolist()
-        chosen = result.logprob.tolist()
-        top_ids = result.top_ids.tolist()
-        top_lp = result.top_logprobs.tolist()
+        tokens = result.tokens.tolist()  # the one host sync of a unit: the Engine needs the tokens
+        chosen = result.logprob.tolist() if want_logprobs else []
+        top_ids = result.top_ids.tolist() if top_n else []
+        top_lp = result.top_logprobs.tolist() if top_n else []
         rows = []
         for i, s in enumerate(seqs):
             lp = None
             if s.logprobs.enabled:
                 n = s.logprobs.top_n
-                top = tuple(zip(top_ids[i][:n], top_lp[i][:n]))
+                top = tuple(zip(top_ids[i][:n], top_lp[i][:n])) if n else ()
                 lp = (TokenLogprob(token_id=tokens[i], logprob=chosen[i], top=top),)
             rows.append(
                 PendingRow(handle=s.handle, tokens=(tokens[i],), base_frontier=s.frontier, logprobs=lp)

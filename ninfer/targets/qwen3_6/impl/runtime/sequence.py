@@ -7,7 +7,7 @@ next unit feeds it at position ``frontier``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ninfer.ops.sampling import SamplingParams as OpsSamplingParams
 from ninfer.runtime.contract.types import LogprobParams, SequenceHandle
@@ -27,7 +27,6 @@ class SequenceState:
     pages: list[int]  # KV pages mapped for the whole reservation, in position order
     frontier: int = 0  # committed positions in KV and GDN state
     pending_input: int | None = None  # committed output token not yet run through the model
-    generated: list[int] = field(default_factory=list)
     state_valid: bool = True  # False after a terminal partial accept: only release may follow
 
     @property

@@ -1,7 +1,9 @@
 """Turn a unit's rows (sequence + input tokens) into the model's `StepBatch` tensors.
 
 Rows, slots and pages are plain data here: the same builder serves prefill chunks, decode rounds and
-forced control, and a captured decode graph reads these tensors from static buffers.
+forced control, and a captured decode graph reads these tensors from static buffers. The block tables
+live on the device for the Program's life (one row per sequence index, written at materialization);
+a step only gathers its rows. Everything else a step needs goes to the device in one packed copy.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from ninfer.targets.qwen3_6.model import StepBatch
 
 
 class StepBuilder:
-    def __init__(self, page_size: int, max_pages_per_seq: int, device: torch.device) -> None:
+    def __init__(self, page_size: int, block_tables: torch.Tensor) -> None:
         self.page_size = page_size
-        self.max_pages = max_pages_per_seq
-        self.device = device
+        self.block_tables = block_tables  # [max_sequences, max_pages] int32, on the device
+        self.device = block_tables.device
 
     def build(
         self, seqs: Sequence[SequenceState], inputs: Sequence[Sequence[int]], *, write_spare: bool
@@ -33,30 +35,37 @@ class StepBuilder:
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_start = [0]
-        context_lens: list[int] = []
-        block_table: list[list[int]] = []
         for seq, row in zip(seqs, inputs):
-            start = seq.frontier
             for offset, token in enumerate(row):
-                pos = start + offset
+                pos = seq.frontier + offset
                 tokens.append(int(token))
                 positions.append(pos)
                 slot_mapping.append(seq.pages[pos // ps] * ps + pos % ps)
             query_start.append(len(tokens))
-            context_lens.append(start + len(row))
-            block_table.append(seq.pages + [0] * (self.max_pages - len(seq.pages)))
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long)
+        n, b = len(tokens), len(seqs)
+        packed = torch.tensor(
+            tokens
+            + positions
+            + slot_mapping
+            + query_start
+            + [s.frontier + len(row) for s, row in zip(seqs, inputs)]  # context lengths after the step
+            + [s.slot for s in seqs]
+            + [s.spare if write_spare else s.slot for s in seqs]
+            + [int(s.frontier == 0) for s in seqs]  # fresh: start from zero GDN state
+            + [s.handle.index for s in seqs],
+            dtype=torch.long,
+        ).to(self.device, non_blocking=True)
+        token_ids, pos, slots, qs, ctx, state_in, state_out, fresh, index = packed.split(
+            [n, n, n, b + 1, b, b, b, b, b]
+        )
         return StepBatch(
-            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=pos.expand(3, -1).contiguous().to(dev),  # text: T = H = W
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(block_table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            state_in=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev),
-            state_out=torch.tensor(
-                [s.spare if write_spare else s.slot for s in seqs], dtype=torch.long, device=dev
-            ),
-            fresh=torch.tensor([s.frontier == 0 for s in seqs], dtype=torch.bool, device=dev),
+            token_ids=token_ids,
+            positions=pos.expand(3, -1),  # text: T = H = W
+            query_start=qs.int(),
+            context_lens=ctx.int(),
+            block_table=self.block_tables.index_select(0, index),
+            slot_mapping=slots,
+            state_in=state_in,
+            state_out=state_out,
+            fresh=fresh.bool(),
         )
