@@ -2,7 +2,7 @@
 
 The weights are `random_model_view(variant, seed=SEED)` (norms randomised), so a test can rebuild the
 same view, or the same transformers model through `hf_state_dict`, as its oracle. Frontend resources
-are the real Qwen3.6 tokenizer and chat template from tests/fixtures.
+are the real Qwen3.6 tokenizer and chat template from ninfer/targets/qwen3_6/resources.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
 from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
@@ -41,8 +42,8 @@ def write_tiny_artifact(package_name: str, path: Path) -> Path:
     tensors = tiny_view(package_name).tensors
     specs = [TensorSpec(s.name, tensors[s.name].dtype, s.shape) for s in weight_schema(package.variant)]
     frontend = {
-        "tokenizer.json": (FIXTURES / "tokenizer.json").read_bytes(),
-        "chat_template": (FIXTURES / "qwen3_6.jinja").read_bytes(),
+        "tokenizer.json": (RESOURCE_DIR / "tokenizer.json").read_bytes(),
+        "chat_template": (RESOURCE_DIR / "qwen3_6.jinja").read_bytes(),
         "generation_config.json": json.dumps(GENERATION_CONFIG, sort_keys=True).encode(),
     }
     with ArtifactWriter(

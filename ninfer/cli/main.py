@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "chat": "chat",
     "score": "score",
     "serve": "serve",
+    "bench": "bench",
 }
 
 

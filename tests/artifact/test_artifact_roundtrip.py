@@ -23,10 +23,10 @@ from ninfer.artifact import (
     TensorSpec,
 )
 from ninfer.artifact.format import PREFIX, PREFIX_SIZE
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 torch.set_num_threads(1)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 IDENTITY = {"family": "qwen3_6", "package": "qwen3_6_tiny", "storage_profile": "bf16"}
 DIMS = {"hidden_size": 8, "nested": {"eos": [1, 2]}, "rope_theta": 1e7}
 PROVENANCE = {"converter": "test 0", "sources": [{"name": "model.safetensors", "bytes": 123}]}
@@ -73,8 +73,8 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 
 def test_round_trip_exact_bytes_and_metadata(tmp_path: Path) -> None:
     tensors = sample_tensors()
-    tokenizer = (FIXTURES / "tokenizer.json").read_bytes()
-    template = (FIXTURES / "qwen3_6.jinja").read_text()
+    tokenizer = (RESOURCE_DIR / "tokenizer.json").read_bytes()
+    template = (RESOURCE_DIR / "qwen3_6.jinja").read_text()
     path = tmp_path / "m.ninfer"
     write(path, tensors, frontend={"tokenizer.json": tokenizer, "chat_template": template,
                                    "generation_config.json": b'{"temperature": 0.7}'})

@@ -20,9 +20,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
 
+# tokenizer_config.json (with the chat template) stays a test fixture; tokenizer.json ships in the package
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "fixtures"
 INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
@@ -89,8 +91,8 @@ def save_tiny_checkpoint(package_name: str, path: Path, *, seed: int = 0) -> Pat
         mtp_tensors(package_name, gen, torch.bfloat16), str(path / MTP_SHARD), metadata={"format": "pt"}
     )
     _write_index(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(TOKENIZER_DIR / name, path / name)
+    shutil.copyfile(RESOURCE_DIR / "tokenizer.json", path / "tokenizer.json")
+    shutil.copyfile(TOKENIZER_DIR / "tokenizer_config.json", path / "tokenizer_config.json")
     assert (path / "generation_config.json").is_file()
     return path
 

@@ -38,6 +38,7 @@ from ninfer_tools.convert.qwen3_6.source import HFCheckpoint, SourceTensor
 from ninfer.artifact import Artifact
 from ninfer.cli.main import main as cli_main
 from ninfer.targets.package import Package
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
 
@@ -122,7 +123,7 @@ def test_dense_checkpoint_converts_bit_exact(dense_ckpt: Path, dense_artifact: P
     assert_tensors_equal(art, expected_stored(DENSE, schema_view(read_all(dense_ckpt)), torch.bfloat16))
     assert art.tensor("layers.0.linear_attn.A_log").dtype == torch.float32  # keep_fp32 in every profile
 
-    assert art.frontend_resource("tokenizer.json") == (TOKENIZER_DIR / "tokenizer.json").read_bytes()
+    assert art.frontend_resource("tokenizer.json") == (RESOURCE_DIR / "tokenizer.json").read_bytes()
     template = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())["chat_template"]
     assert art.frontend_resource("chat_template") == template.encode("utf-8")
     assert (

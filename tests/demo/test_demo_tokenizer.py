@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate
 from ninfer.targets.qwen3_6.frontend.frontend import Frontend
 from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6_demo import PACKAGE
 
 VOCAB = PACKAGE.variant.vocab_size
@@ -57,7 +58,7 @@ def test_special_tokens_are_qwen36s_in_order() -> None:
 def test_pipeline_equals_the_real_qwen_tokenizer(demo_tokenizer: Tokenizer) -> None:
     """Normaliser, pre-tokenizer, decoder and post-processor are the real tokenizer.json's, byte for byte."""
     ours = json.loads(demo_tokenizer.to_str())
-    real = json.loads((FIXTURES / "tokenizer.json").read_text(encoding="utf-8"))
+    real = json.loads((RESOURCE_DIR / "tokenizer.json").read_text(encoding="utf-8"))
     for key in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
         assert ours[key] == real[key], key
     assert ours["model"]["type"] == "BPE" and ours["model"]["byte_fallback"] is False
@@ -98,7 +99,7 @@ def test_code_compresses_and_digits_split(demo_tokenizer: Tokenizer) -> None:
 
 def test_chat_template_output_uses_special_ids(demo_tokenizer: Tokenizer) -> None:
     """The real Qwen3.6 chat template renders unchanged and its markers encode as single special ids."""
-    template = ChatTemplate((FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8"))
+    template = ChatTemplate((RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8"))
     messages = [
         {"role": "user", "content": "Write fib."},
         {"role": "assistant", "content": "<think>\nshort\n</think>\n\ndef fib(n): ..."},
@@ -112,7 +113,7 @@ def test_chat_template_output_uses_special_ids(demo_tokenizer: Tokenizer) -> Non
 
 
 def test_frontend_accepts_the_tokenizer_and_config(demo_tokenizer: Tokenizer, tmp_path: Path) -> None:
-    template = (FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8")
+    template = (RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8")
     config = tokenizer_config(demo_tokenizer, template)
     assert config["chat_template"] == template
     assert config["added_tokens_decoder"][str(PACKAGE.variant.special.im_end)]["content"] == "<|im_end|>"

@@ -39,10 +39,10 @@ from ninfer_tools.train_demo.train import (
 from ninfer.targets import registry
 from ninfer.targets.qwen3_6.binder import load_model_view
 from ninfer.targets.qwen3_6.model import forward
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6_demo import PACKAGE
 
 torch.set_num_threads(1)
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TINY = tiny_package(512)
 
 
@@ -163,7 +163,7 @@ def demo_checkpoint(
         PACKAGE,
         model.tensors(),
         demo_tokenizer_json,
-        (FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8"),
+        (RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8"),
         dtype=torch.float32,
     )
     return model, out

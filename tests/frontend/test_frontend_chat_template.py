@@ -18,10 +18,11 @@ from ninfer.targets.qwen3_6.frontend import (
     SpecialTokens,
     TextTokenizer,
 )
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CASES: dict[str, Any] = json.loads((FIXTURES / "render_cases.json").read_text(encoding="utf-8"))
-TEMPLATES = {n: (FIXTURES / f"{n}.jinja").read_text(encoding="utf-8") for n in ("qwen3_6", "qwen3_8")}
+TEMPLATES = {n: (RESOURCE_DIR / f"{n}.jinja").read_text(encoding="utf-8") for n in ("qwen3_6", "qwen3_8")}
 
 WEATHER_TOOL = CASES["c"]["tools"][0]
 
@@ -51,7 +52,7 @@ MULTI_TURN: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> TextTokenizer:
-    return TextTokenizer((FIXTURES / "tokenizer.json").read_bytes())
+    return TextTokenizer((RESOURCE_DIR / "tokenizer.json").read_bytes())
 
 
 @pytest.fixture(scope="module")

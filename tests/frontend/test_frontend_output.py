@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,8 @@ from ninfer.targets.qwen3_6.frontend import (
     PreparedPrompt,
     SpecialTokens,
 )
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 IM_END = 248046
 USER_TURN = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -29,8 +28,8 @@ USER_TURN = [{"role": "user", "content": "What is 2+2?"}]
 @pytest.fixture(scope="module")
 def fe() -> Frontend:
     res = FrontendResources(
-        tokenizer_json=(FIXTURES / "tokenizer.json").read_bytes(),
-        chat_template=(FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8"),
+        tokenizer_json=(RESOURCE_DIR / "tokenizer.json").read_bytes(),
+        chat_template=(RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8"),
         generation_config={"eos_token_id": [248046, 248044]},
     )
     return Frontend.from_resources(res, SpecialTokens())

@@ -16,6 +16,7 @@ from ninfer.targets.qwen3_6.frontend import (
     SpecialTokens,
     prompt_digest,
 )
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -59,8 +60,8 @@ RANGES = [
 @pytest.fixture(scope="module")
 def frontend() -> Frontend:
     res = FrontendResources(
-        tokenizer_json=(FIXTURES / "tokenizer.json").read_bytes(),
-        chat_template=(FIXTURES / "qwen3_6.jinja").read_text(encoding="utf-8"),
+        tokenizer_json=(RESOURCE_DIR / "tokenizer.json").read_bytes(),
+        chat_template=(RESOURCE_DIR / "qwen3_6.jinja").read_text(encoding="utf-8"),
         generation_config={"eos_token_id": [248046, 248044], "temperature": 0.6, "top_k": 20, "top_p": 0.95},
     )
     return Frontend.from_resources(res, SpecialTokens())

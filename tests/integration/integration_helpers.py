@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_artifacts import FIXTURES, hf_causal_lm
+from tiny_artifacts import hf_causal_lm
 from tokenizers import Tokenizer
 
 from ninfer import EngineConfig
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 PACKAGE_NAMES = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
 ARTIFACT_FIXTURE = {"qwen3_6_tiny": "tiny_artifact", "qwen3_6_tiny_moe": "tiny_moe_artifact"}
@@ -88,9 +89,9 @@ def hf_logprobs(name: str, ids: Sequence[int]) -> list[float]:
 
 @functools.cache
 def _fixture_tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(str(FIXTURES / "tokenizer.json"))
+    return Tokenizer.from_file(str(RESOURCE_DIR / "tokenizer.json"))
 
 
 def fixture_tokenizer_ids(text: str) -> list[int]:
-    """The real Qwen3.6 tokenizer (tests/fixtures) on raw text, no special tokens added."""
+    """The real Qwen3.6 tokenizer (ninfer/targets/qwen3_6/resources) on raw text, no special tokens added."""
     return _fixture_tokenizer().encode(text, add_special_tokens=False).ids

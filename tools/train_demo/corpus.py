@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
+
 from .tokenizer import load_tokenizer, save_tokenizer, special_tokens_of, train_tokenizer
 
 Split = Literal["train", "val", "heldout"]
@@ -48,7 +50,7 @@ EXCLUDED_TREES = ("site-packages", "test", "idlelib/idle_test", "lib2to3/tests")
 VAL_MODULUS = 50  # a file is in val when crc32(path) % VAL_MODULUS == 0 (about 2%)
 DEFAULT_VOCAB_SIZE = 8192
 # the real Qwen3.6 chat template, copied into data/ so the GPU machine needs nothing else
-DEFAULT_CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "qwen3_6.jinja"
+DEFAULT_CHAT_TEMPLATE = RESOURCE_DIR / "qwen3_6.jinja"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,227 @@
+"""Drive a running Engine through its public API and time what it does.
+
+Requests are token-id prompts of exact lengths, greedy (temperature 0), ``ignore_eos``, so every request
+produces exactly the tokens asked for. Two kinds of clocks:
+
+- Worker-side: a `UnitTimeline` installed as the EngineCore ``observer`` records the start time, kind
+  and row count of every execution unit (one list append on the worker, nothing else). A unit ends
+  where the next one starts (every unit ends in a host sync: the sampled tokens are read back), so the
+  gap between two consecutive decode rounds of ``B`` rows is one full decode step at ``B``, the
+  worker's own bookkeeping between units included.
+- Client-side: TTFT and TPOT are what a caller sees, from ``submit`` to the first token delta and
+  between the first and the last delta.
+
+A decode measurement at ``B`` submits ``B`` prompts together. They are admitted and prefilled one at a
+time, so the early ones already decode in rounds of fewer rows; only rounds of all ``B`` rows count.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ninfer.runtime.engine.engine import Engine, GenerationHandle
+from ninfer.runtime.engine.engine_core import EngineCore
+from ninfer.runtime.engine.scheduler import Unit
+from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult
+
+DECODE = "decode"
+PREFILL = "prefill"
+# decode rounds a request may run beyond the bound below before all B are decode-ready (a request can
+# also decode while the caller is still submitting the next one)
+ROUND_SLACK = 8
+POLL_S = 0.005  # how often the caller looks at its handles while the worker runs decode rounds
+
+Mark = tuple[float, str, int]  # (perf_counter at unit start, unit kind, rows)
+
+
+class BenchError(RuntimeError):
+    """The run did not produce the measurement it was set up for."""
+
+
+class UnitTimeline:
+    """EngineCore observer: appends ``(time, kind, rows)`` for every execution unit, before it runs."""
+
+    def __init__(self) -> None:
+        self.marks: list[Mark] = []
+
+    def __call__(self, core: EngineCore, unit: Unit) -> None:
+        self.marks.append((time.perf_counter(), unit.kind.value, len(unit.members)))
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    batches: tuple[int, ...]
+    context: int  # prompt tokens of each decode-measurement request
+    decode_steps: int  # decode rounds of all B rows timed per B (and TPOT intervals)
+    prefill_tokens: int
+    prefill_repeats: int
+    prefill_chunk: int  # EngineConfig.prefill_chunk_tokens
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batches}")
+        for name in ("context", "decode_steps", "prefill_tokens", "prefill_repeats", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def decode_max_tokens(self, batch: int) -> int:
+        """Output budget of each request at ``batch``: the first token (from prefill), ``decode_steps + 1``
+        full rounds, and the rounds the first request may run while the other ``batch - 1`` prefill (one
+        after each of their prompt chunks), plus slack."""
+        chunks = math.ceil(self.context / self.prefill_chunk)
+        return 1 + (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
+
+    @property
+    def max_context(self) -> int:
+        """Positions one request may need: the Engine's max_context."""
+        decode = self.context + self.decode_max_tokens(max(self.batches))
+        return max(decode, self.prefill_tokens + self.decode_steps + 1)
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    batch: int
+    step_s: tuple[float, ...]  # the timed full rounds, in order
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    prefill_s: float  # worker: first prompt chunk start -> start of the unit after the last chunk
+    ttft_s: float  # caller: submit -> first token delta
+    tpot_s: float  # caller: (last delta - first delta) / (tokens - 1)
+
+
+def full_round_intervals(marks: Sequence[Mark], rows: int, count: int) -> list[float]:
+    """The first ``count`` durations of decode rounds of exactly ``rows`` rows, each measured to the start
+    of the directly following round of ``rows`` rows. Raises BenchError when there are fewer."""
+    out = [
+        b[0] - a[0]
+        for a, b in zip(marks, marks[1:])
+        if a[1] == DECODE and b[1] == DECODE and a[2] == rows and b[2] == rows
+    ]
+    if len(out) < count:
+        raise BenchError(
+            f"only {len(out)} consecutive decode rounds of {rows} rows were observed, {count} needed"
+        )
+    return out[:count]
+
+
+def prefill_span(marks: Sequence[Mark]) -> float:
+    """Seconds from the start of the first prefill unit to the start of the unit after the last one."""
+    starts = [i for i, m in enumerate(marks) if m[1] == PREFILL]
+    if not starts or starts[-1] + 1 >= len(marks):
+        raise BenchError("the prefill was not followed by another unit (no first decode round observed)")
+    return marks[starts[-1] + 1][0] - marks[starts[0]][0]
+
+
+class PromptSource:
+    """Distinct random token-id prompts of exact lengths below ``id_bound`` (the first special id), so
+    no two requests share a prefix and none contains a control token."""
+
+    def __init__(self, id_bound: int, seed: int) -> None:
+        if id_bound < 2:
+            raise ValueError(f"id_bound must be >= 2, got {id_bound}")
+        self._bound = id_bound
+        self._rng = random.Random(seed)
+
+    def take(self, length: int) -> list[int]:
+        return [self._rng.randrange(self._bound) for _ in range(length)]
+
+
+def _request(prompt: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _finished(handle: GenerationHandle, expected_tokens: int) -> GenerationResult:
+    result = handle.result()
+    if result.finish_reason != "length" or result.usage.completion_tokens != expected_tokens:
+        raise BenchError(
+            f"request {result.request_id} ended with {result.finish_reason!r} after "
+            f"{result.usage.completion_tokens} tokens, {expected_tokens} expected"
+        )
+    return result
+
+
+class EngineDriver:
+    """Runs the bench's requests on one Engine whose worker has a `UnitTimeline` installed."""
+
+    def __init__(self, engine: Engine, plan: BenchPlan, prompts: PromptSource) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.prompts = prompts
+        self.timeline = UnitTimeline()
+        engine.core.observer = self.timeline
+
+    def warm_up(self) -> None:
+        """One untimed prefill of the measured length (allocator growth, kernel selection)."""
+        with self.engine.submit(_request(self.prompts.take(self.plan.prefill_tokens), 2)) as handle:
+            _finished(handle, 2)
+
+    def prefill_once(self) -> PrefillSample:
+        steps = self.plan.decode_steps
+        first = len(self.timeline.marks)
+        token_times: list[float] = []
+        request = _request(self.prompts.take(self.plan.prefill_tokens), steps + 1)
+        t0 = time.perf_counter()
+        with self.engine.submit(request) as handle:
+            for event in handle:
+                if isinstance(event, GenerationDelta) and event.token_ids:
+                    now = time.perf_counter()
+                    token_times.extend(now for _ in event.token_ids)
+            _finished(handle, steps + 1)
+        return PrefillSample(
+            prefill_s=prefill_span(self.timeline.marks[first:]),
+            ttft_s=token_times[0] - t0,
+            tpot_s=(token_times[-1] - token_times[0]) / (len(token_times) - 1),
+        )
+
+    def decode_at(self, batch: int) -> DecodeSample:
+        limit = self.engine.config.max_concurrency
+        if batch > limit:
+            raise BenchError(f"B={batch} exceeds the Engine's max_concurrency {limit}")
+        max_tokens = self.plan.decode_max_tokens(batch)
+        first = len(self.timeline.marks)
+        requests = [_request(self.prompts.take(self.plan.context), max_tokens) for _ in range(batch)]
+        handles = [self.engine.submit(r) for r in requests]
+        try:
+            # poll instead of blocking on the event queues: a blocked consumer would wake on every token
+            while not all(h.done for h in handles):
+                time.sleep(POLL_S)
+            for handle in handles:
+                _finished(handle, max_tokens)
+        finally:
+            for handle in handles:
+                handle.close()
+        steps = full_round_intervals(self.timeline.marks[first:], batch, self.plan.decode_steps)
+        return DecodeSample(batch, tuple(steps))
+
+
+@dataclass(frozen=True)
+class Measurements:
+    prefill: tuple[PrefillSample, ...]
+    decode: tuple[DecodeSample, ...]
+
+
+def measure(driver: EngineDriver, log: Callable[[str], None]) -> Measurements:
+    """Warm-up, ``prefill_repeats`` prefill runs, then one decode run per B (ascending)."""
+    plan = driver.plan
+    log(f"warm-up: one {plan.prefill_tokens}-token prefill")
+    driver.warm_up()
+    prefill = []
+    for i in range(plan.prefill_repeats):
+        log(f"prefill {i + 1}/{plan.prefill_repeats}: {plan.prefill_tokens} tokens + {plan.decode_steps}")
+        prefill.append(driver.prefill_once())
+    decode = []
+    for batch in sorted(set(plan.batches)):
+        log(f"decode B={batch}: {batch} x {plan.context}-token prompts, {plan.decode_steps} timed rounds")
+        decode.append(driver.decode_at(batch))
+    return Measurements(tuple(prefill), tuple(decode))

@@ -1,0 +1,207 @@
+"""The bench result: one value, rendered as a readable table or as one JSON object."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SYNTHETIC_NOTE = "synthetic weights: output text is meaningless"
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    batch: int
+    context: int
+    steps: int  # timed rounds of all B rows
+    ms_step: float  # median
+    ms_step_min: float
+    ms_step_max: float
+    floor_ms: float  # bytes_step over the measured bandwidth
+    bytes_step: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch * 1e3 / self.ms_step
+
+    @property
+    def floor_tok_s(self) -> float:
+        return self.batch * 1e3 / self.floor_ms
+
+    @property
+    def pct_floor(self) -> float:
+        """Floor time as a percentage of the measured time (100 = at the roofline)."""
+        return 100.0 * self.floor_ms / self.ms_step
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    tokens: int
+    repeats: int
+    chunk: int  # prompt tokens per prefill unit
+    ms: float  # median worker time of the whole prompt
+    floor_ms: float  # flops over the measured matmul throughput
+    flops: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens * 1e3 / self.ms
+
+    @property
+    def pct_floor(self) -> float:
+        return 100.0 * self.floor_ms / self.ms
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    """A caller-side latency (TTFT or TPOT) beside its floor."""
+
+    ms: float  # median over the prefill repeats
+    floor_ms: float
+
+    @property
+    def pct_floor(self) -> float:
+        return 100.0 * self.floor_ms / self.ms
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    package: str
+    synthetic: bool
+    artifact: str | None
+    device: str
+    dtype: str
+    torch_version: str
+    commit: str | None
+    date: str  # ISO 8601, UTC
+    bandwidth_GBps: float  # named as its JSON field
+    copy_bytes: int
+    matmul_TFLOPs: float
+    matmul_n: int
+    matmul_dtype: str
+    startup_s: dict[str, float]  # phase -> seconds; "total" last
+    decode: tuple[DecodeRow, ...]
+    prefill: PrefillRow
+    ttft: LatencyRow
+    tpot: LatencyRow  # one stream at B=1 after the prefill prompt; floor at that context
+    settings: dict[str, Any]
+    assumptions: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "package": self.package,
+            "synthetic": self.synthetic,
+        }
+        if self.synthetic:
+            out["note"] = SYNTHETIC_NOTE
+        out.update(
+            artifact=self.artifact,
+            device=self.device,
+            dtype=self.dtype,
+            torch=self.torch_version,
+            commit=self.commit,
+            date=self.date,
+            bandwidth_GBps=round(self.bandwidth_GBps, 3),
+            copy_bytes=self.copy_bytes,
+            matmul_TFLOPs=round(self.matmul_TFLOPs, 4),
+            matmul_n=self.matmul_n,
+            matmul_dtype=self.matmul_dtype,
+            startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
+            decode=[
+                {
+                    "batch": r.batch,
+                    "context": r.context,
+                    "steps": r.steps,
+                    "ms_step": round(r.ms_step, 4),
+                    "ms_step_min": round(r.ms_step_min, 4),
+                    "ms_step_max": round(r.ms_step_max, 4),
+                    "tok_s": round(r.tok_s, 2),
+                    "floor_ms": round(r.floor_ms, 4),
+                    "floor_tok_s": round(r.floor_tok_s, 2),
+                    "pct_floor": round(r.pct_floor, 2),
+                    "bytes_step": r.bytes_step,
+                }
+                for r in self.decode
+            ],
+            prefill={
+                "tokens": self.prefill.tokens,
+                "repeats": self.prefill.repeats,
+                "chunk": self.prefill.chunk,
+                "ms": round(self.prefill.ms, 3),
+                "tok_s": round(self.prefill.tok_s, 1),
+                "floor_ms": round(self.prefill.floor_ms, 4),
+                "pct_floor": round(self.prefill.pct_floor, 2),
+                "flops": self.prefill.flops,
+            },
+            ttft_ms=round(self.ttft.ms, 3),
+            ttft_floor_ms=round(self.ttft.floor_ms, 4),
+            ttft_pct_floor=round(self.ttft.pct_floor, 2),
+            tpot_ms=round(self.tpot.ms, 4),
+            tpot_floor_ms=round(self.tpot.floor_ms, 4),
+            tpot_pct_floor=round(self.tpot.pct_floor, 2),
+            settings=self.settings,
+            assumptions=list(self.assumptions),
+        )
+        return out
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3g}" if x < 10 else f"{x:.1f}"
+
+
+def render_table(report: BenchReport) -> str:
+    """The human-readable report (the same figures as `BenchReport.to_json`)."""
+    s = report.settings
+    lines = [
+        f"ninfer bench: {report.package} on {report.device}, {report.dtype}, torch {report.torch_version}, "
+        f"commit {report.commit or 'unknown'}, {report.date}",
+    ]
+    if report.synthetic:
+        lines.append(f"*** {SYNTHETIC_NOTE} ***")
+    else:
+        lines.append(f"artifact: {report.artifact}")
+    phases = ", ".join(
+        f"{k.replace('_', ' ')} {v:.2f} s" for k, v in report.startup_s.items() if k != "total"
+    )
+    lines += [
+        f"measured: copy bandwidth {report.bandwidth_GBps:.1f} GB/s; "
+        f"matmul {report.matmul_TFLOPs:.3g} TFLOP/s ({report.matmul_dtype} {report.matmul_n}^3)",
+        f"start-up: {report.startup_s['total']:.2f} s ({phases})",
+        "",
+        f"decode at context {s['context']} (median of {s['decode_steps']} rounds of all B rows)",
+        f"{'B':>3} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'% of floor':>10} "
+        f"{'GB/step':>8} {'min..max ms':>16}",
+    ]
+    for r in report.decode:
+        spread = f"{_ms(r.ms_step_min)}..{_ms(r.ms_step_max)}"
+        lines.append(
+            f"{r.batch:>3} {_ms(r.ms_step):>9} {r.tok_s:>10.1f} {_ms(r.floor_ms):>9} {r.floor_tok_s:>12.1f} "
+            f"{r.pct_floor:>9.1f}% {r.bytes_step / 1e9:>8.3f} {spread:>16}"
+        )
+    p, ttft, tpot = report.prefill, report.ttft, report.tpot
+    lines += [
+        "",
+        f"prefill {p.tokens} tokens in chunks of {p.chunk} (median of {p.repeats}): {_ms(p.ms)} ms, "
+        f"{p.tok_s:.0f} tok/s; floor {_ms(p.floor_ms)} ms ({p.flops / 1e12:.3g} TFLOP), "
+        f"{p.pct_floor:.1f}% of floor",
+        f"TTFT {_ms(ttft.ms)} ms (floor {_ms(ttft.floor_ms)} ms, {ttft.pct_floor:.1f}%); "
+        f"TPOT {_ms(tpot.ms)} ms at B=1, context {p.tokens} (floor {_ms(tpot.floor_ms)} ms, "
+        f"{tpot.pct_floor:.1f}%)",
+        "",
+        *(f"note: {a}" for a in report.assumptions),
+    ]
+    return "\n".join(lines)
+
+
+def git_commit() -> str | None:
+    """The source tree's commit (``-dirty`` when tracked files differ from it), or None outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{commit}-dirty" if dirty.returncode == 1 else commit

@@ -1,0 +1,190 @@
+"""`run_bench`: probe the device, start the Engine, drive it, and set every figure beside its roofline."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+
+import torch
+
+from ninfer.bench.drive import BenchPlan, EngineDriver, Measurements, PromptSource, measure
+from ninfer.bench.probes import DeviceProbe, probe_device
+from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, git_commit
+from ninfer.bench.roofline import DECODE_ASSUMPTIONS, MOE_ASSUMPTION, decode_step_bytes, prefill_flops
+from ninfer.bench.startup import (
+    SYNTHETIC_STORAGE,
+    StartedEngine,
+    artifact_package,
+    start_from_artifact,
+    start_synthetic,
+)
+from ninfer.targets.open import resolve_device, resolve_dtype
+from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
+from ninfer.targets.registry import get_package
+from ninfer.types import EngineConfig
+
+TIMING_NOTES = (
+    "decode ms/step: median gap between consecutive decode rounds of all B rows, from an EngineCore "
+    "observer (worker bookkeeping between rounds included)",
+    "prefill ms: worker time from the first prompt chunk to the next unit; TTFT: submit to first token "
+    "delta; TPOT: (last - first token delta) / (tokens - 1) of that request, at the caller",
+)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    plan: BenchPlan
+    artifact: str | None = None  # a .ninfer file, or None with ``synthetic``
+    synthetic: str | None = None  # package name: random weights of its exact dims
+    device: str = "auto"
+    dtype: str = "auto"
+    cuda_graphs: bool = True
+    seed: int = 0  # random weights (synthetic) and prompt ids
+    copy_bytes: int | None = None  # probe sizes (None: the device's default)
+    matmul_n: int | None = None
+    probe_repeats: int = 10
+
+    def __post_init__(self) -> None:
+        if (self.artifact is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of an artifact or a synthetic package")
+
+
+def first_special_id(special: SpecialTokens) -> int:
+    """Ids below this are ordinary text tokens (every package puts its special tokens at the end)."""
+    ids: list[int] = []
+    for f in fields(special):
+        value = getattr(special, f.name)
+        ids.extend(value if isinstance(value, tuple) else (value,))
+    return min(ids)
+
+
+def engine_config(options: BenchOptions) -> EngineConfig:
+    plan = options.plan
+    concurrency = max(plan.batches)
+    return EngineConfig(
+        max_concurrency=concurrency,
+        queue_capacity=concurrency,
+        queue_timeout_s=None,
+        max_context=plan.max_context,
+        device=options.device,  # type: ignore[arg-type]
+        dtype=options.dtype,  # type: ignore[arg-type]
+        prefill_chunk_tokens=plan.prefill_chunk,
+        cuda_graphs=options.cuda_graphs,
+        warmup=True,
+    )
+
+
+def check_fits(plan: BenchPlan, variant: Variant) -> None:
+    limit = variant.max_position_embeddings
+    if plan.max_context > limit:
+        raise ValueError(
+            f"the bench needs {plan.max_context} positions per request (context {plan.context} + decode "
+            f"budget {plan.decode_max_tokens(max(plan.batches))}, or prefill {plan.prefill_tokens} + "
+            f"{plan.decode_steps + 1} tokens) but the model holds {limit}; lower --context, --prefill-tokens "
+            "or --decode-steps"
+        )
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine() or 'unknown'}, {torch.get_num_threads()} threads)"
+
+
+def run_bench(options: BenchOptions, log: Callable[[str], None] = lambda _: None) -> BenchReport:
+    plan = options.plan
+    if options.synthetic is not None:
+        package, storage = get_package(options.synthetic), SYNTHETIC_STORAGE
+    else:
+        assert options.artifact is not None
+        package, storage = artifact_package(options.artifact)
+    check_fits(plan, package.variant)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, storage, device)
+    log(f"probing {device.type} memory bandwidth and {str(dtype).removeprefix('torch.')} matmul throughput")
+    probe = probe_device(
+        device, dtype, copy_bytes=options.copy_bytes, matmul_n=options.matmul_n, repeats=options.probe_repeats
+    )
+    config = engine_config(options)
+    log("starting the Engine" + (f" with synthetic {package.name} weights" if options.synthetic else ""))
+    started = (
+        start_synthetic(package.name, config, seed=options.seed)
+        if options.synthetic is not None
+        else start_from_artifact(options.artifact or "", config)
+    )
+    try:
+        prompts = PromptSource(first_special_id(package.variant.special), options.seed)
+        measurements = measure(EngineDriver(started.engine, plan, prompts), log)
+    finally:
+        started.engine.close()
+    return build_report(options, started, probe, measurements)
+
+
+def build_report(
+    options: BenchOptions, started: StartedEngine, probe: DeviceProbe, m: Measurements
+) -> BenchReport:
+    plan, variant, dtype = options.plan, started.package.variant, started.dtype
+    bandwidth = probe.bandwidth_bytes_per_s
+    decode = []
+    for sample in m.decode:
+        bytes_step = decode_step_bytes(variant, sample.batch, plan.context, dtype).total
+        decode.append(
+            DecodeRow(
+                batch=sample.batch,
+                context=plan.context,
+                steps=len(sample.step_s),
+                ms_step=sample.median_s * 1e3,
+                ms_step_min=min(sample.step_s) * 1e3,
+                ms_step_max=max(sample.step_s) * 1e3,
+                floor_ms=bytes_step / bandwidth * 1e3,
+                bytes_step=bytes_step,
+            )
+        )
+    flops = prefill_flops(variant, plan.prefill_tokens).total
+    prefill_floor_ms = flops / probe.matmul_flops_per_s * 1e3
+    tpot_bytes = decode_step_bytes(variant, 1, plan.prefill_tokens, dtype).total
+    phases = dict(started.phases_s, total=started.startup_s)
+    assumptions = DECODE_ASSUMPTIONS + ((MOE_ASSUMPTION,) if variant.moe else ()) + TIMING_NOTES
+    return BenchReport(
+        package=started.package.name,
+        synthetic=started.synthetic,
+        artifact=started.artifact,
+        device=describe_device(started.device),
+        dtype=str(dtype).removeprefix("torch."),
+        torch_version=torch.__version__,
+        commit=git_commit(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        bandwidth_GBps=bandwidth / 1e9,
+        copy_bytes=probe.copy_bytes,
+        matmul_TFLOPs=probe.matmul_flops_per_s / 1e12,
+        matmul_n=probe.matmul_n,
+        matmul_dtype=str(probe.matmul_dtype).removeprefix("torch."),
+        startup_s=phases,
+        decode=tuple(decode),
+        prefill=PrefillRow(
+            tokens=plan.prefill_tokens,
+            repeats=len(m.prefill),
+            chunk=plan.prefill_chunk,
+            ms=statistics.median(s.prefill_s for s in m.prefill) * 1e3,
+            floor_ms=prefill_floor_ms,
+            flops=flops,
+        ),
+        ttft=LatencyRow(statistics.median(s.ttft_s for s in m.prefill) * 1e3, prefill_floor_ms),
+        tpot=LatencyRow(statistics.median(s.tpot_s for s in m.prefill) * 1e3, tpot_bytes / bandwidth * 1e3),
+        settings={
+            "batches": sorted(set(plan.batches)),
+            "context": plan.context,
+            "decode_steps": plan.decode_steps,
+            "prefill_tokens": plan.prefill_tokens,
+            "prefill_repeats": plan.prefill_repeats,
+            "prefill_chunk": plan.prefill_chunk,
+            "max_context": plan.max_context,
+            "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
+            "seed": options.seed,
+        },
+        assumptions=assumptions,
+    )
+

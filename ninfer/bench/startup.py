@@ -1,0 +1,129 @@
+"""Start the Engine under test and time each start-up phase.
+
+- From an artifact: ``open_target`` (load the weights, build the Program, capture the decode graphs),
+  then ``Engine.from_parts`` (start the worker, run its warm-up request): exactly what ``Engine(path,
+  config)`` does, split in two so both phases are timed.
+- ``--synthetic PACKAGE``: random weights of the package's exact dims materialised directly on the
+  device through the package's binder, the real Program over them, and the real Frontend (the bundled
+  Qwen3.6 tokenizer and the package's chat template; for the demo package, the bundled demo artifact's
+  own resources), wrapped with ``Engine.from_parts``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer.cli.common import BUNDLED_PACKAGE, bundled_artifact
+from ninfer.runtime.engine.engine import Engine
+from ninfer.targets.open import load_frontend, open_target, resolve_device, resolve_dtype
+from ninfer.targets.package import STORAGE_PROFILES, Package
+from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
+from ninfer.targets.qwen3_6.variant import SpecialTokens
+from ninfer.targets.registry import get_package
+from ninfer.types import EngineConfig
+
+# what real checkpoints of every package store (and so what --synthetic runs in on a GPU)
+SYNTHETIC_STORAGE = torch.bfloat16
+
+
+@dataclass
+class StartedEngine:
+    engine: Engine
+    package: Package
+    device: torch.device
+    dtype: torch.dtype
+    synthetic: bool
+    artifact: str | None
+    phases_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in order
+
+    @property
+    def startup_s(self) -> float:
+        return sum(self.phases_s.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def artifact_package(path: str) -> tuple[Package, torch.dtype]:
+    """The artifact's package and storage dtype, from its header (no weights read)."""
+    from ninfer.artifact import Artifact, check_identity
+
+    with Artifact.open(path) as artifact:
+        package = check_identity(artifact)
+        return package, getattr(torch, STORAGE_PROFILES[artifact.identity["storage_profile"]])
+
+
+def start_from_artifact(path: str, config: EngineConfig) -> StartedEngine:
+    package, storage = artifact_package(path)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, storage, device)
+    t0 = time.perf_counter()
+    opened = open_target(path, config)
+    _sync(device)
+    t1 = time.perf_counter()
+    engine = Engine.from_parts(opened.program, opened.frontend, config, package_name=opened.package_name)
+    t2 = time.perf_counter()
+    phases = {"load_and_program": t1 - t0, "worker_and_warmup": t2 - t1}
+    return StartedEngine(engine, package, device, dtype, False, path, phases)
+
+
+def synthetic_frontend(package: Package) -> Frontend:
+    """The package's real Frontend without an artifact of it."""
+    if package.name == BUNDLED_PACKAGE:
+        return load_frontend(bundled_artifact())
+    if package.variant.special != SpecialTokens():
+        raise ValueError(f"package {package.name!r} has no bundled tokenizer (its special ids are its own)")
+    from ninfer.targets.qwen3_6.resources import chat_template, tokenizer_json
+
+    resources = FrontendResources(
+        tokenizer_json=tokenizer_json(),
+        chat_template=chat_template(package.chat_template),
+        generation_config={},
+    )
+    return Frontend.from_resources(resources, package.variant.special)
+
+
+def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> StartedEngine:
+    from ninfer.targets.qwen3_6.binder import random_model_view
+    from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
+
+    package = get_package(package_name)
+    variant = package.variant
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, SYNTHETIC_STORAGE, device)
+    max_context = config.max_context or variant.max_position_embeddings
+    if max_context > variant.max_position_embeddings:
+        raise ValueError(
+            f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
+        )
+    t0 = time.perf_counter()
+    view = random_model_view(variant, seed=seed, dtype=dtype, device=device)
+    _sync(device)
+    t1 = time.perf_counter()
+    frontend = synthetic_frontend(package)
+    t2 = time.perf_counter()
+    program = Qwen36Program(
+        variant,
+        view,
+        ProgramConfig(
+            max_concurrency=config.max_concurrency,
+            max_context=max_context,
+            page_size=config.page_size,
+            kv_pages=math.ceil(max_context / config.page_size) * config.max_concurrency,
+            device=device,
+            dtype=dtype,
+            cuda_graphs=config.cuda_graphs,
+        ),
+    )
+    _sync(device)
+    t3 = time.perf_counter()
+    engine = Engine.from_parts(program, frontend, config, package_name=package.name)
+    t4 = time.perf_counter()
+    phases = {"materialize": t1 - t0, "frontend": t2 - t1, "program": t3 - t2, "worker_and_warmup": t4 - t3}
+    return StartedEngine(engine, package, device, dtype, True, None, phases)
