@@ -2,7 +2,8 @@
 
 The server listens at once (``/health`` answers while the model loads) and ``/ready`` turns 200 when
 the Engine is ready. Loopback by default; binding another address without ``--api-key`` prints a
-warning.
+warning. With ``--purpose causal_scoring`` the context limit is the scoring window: ``--max-context``
+sets the window unless ``--score-window`` is given (resolved as for ``ninfer score``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ import argparse
 import ipaddress
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ninfer.cli.common import add_engine_flags, fail, split_artifact
+from ninfer.cli.score import DEFAULT_SCORE_WINDOW, max_context_note, scoring_window
+
+if TYPE_CHECKING:
+    from ninfer.types import EngineConfig
 
 API_KEY_ENV = "NINFER_API_KEY"
 
@@ -58,6 +64,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="generation",
         help="generation (chat, completions) or causal_scoring (prompt log-probs only)",
     )
+    p.add_argument(
+        "--score-window",
+        type=int,
+        default=None,
+        help="causal_scoring: tokens per scoring window, which is also the server's context "
+        f"(default: --max-context if given, else {DEFAULT_SCORE_WINDOW})",
+    )
+    p.add_argument(
+        "--score-stride",
+        type=int,
+        default=None,
+        help="causal_scoring: tokens a scoring window advances by (default: half the window)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_flags(p)
     p.set_defaults(func=run)
@@ -72,24 +91,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The Engine's config from the flags. For causal_scoring the Engine's context is the scoring window
+    (it holds one window at a time), so ``--max-context`` becomes the window rather than a limit the
+    scoring Program could never hold; ``ValueError`` names an invalid value."""
+    from ninfer.types import EngineConfig
+
+    common: dict[str, Any] = {
+        "purpose": args.purpose,
+        "max_concurrency": args.max_concurrency,
+        "queue_capacity": args.queue_capacity,
+        "queue_timeout_s": args.queue_timeout,
+        "device": args.device,
+        "dtype": args.dtype,
+        "cuda_graphs": not args.no_cuda_graphs,
+    }
+    if args.purpose != "causal_scoring":
+        if args.score_window is not None or args.score_stride is not None:
+            raise ValueError("--score-window and --score-stride apply to --purpose causal_scoring only")
+        return EngineConfig(max_context=args.max_context, **common)
+    note = max_context_note(args.score_window, args.max_context)
+    if note is not None:
+        print(f"ninfer serve: warning: {note}", file=sys.stderr)
+    window, stride = scoring_window(args.score_window, args.score_stride, args.max_context)
+    return EngineConfig(score_window=window, score_stride=stride, **common)
+
+
 def run(args: argparse.Namespace) -> int:
     from ninfer.artifact import Artifact, ArtifactError, check_identity
     from ninfer.runtime.engine.engine import Engine
     from ninfer.serve import ServeConfig, create_app, serve_forever
     from ninfer.targets.open import load_frontend
-    from ninfer.types import EngineConfig
 
     try:
-        config = EngineConfig(
-            purpose=args.purpose,
-            max_concurrency=args.max_concurrency,
-            queue_capacity=args.queue_capacity,
-            queue_timeout_s=args.queue_timeout,
-            max_context=args.max_context,
-            device=args.device,
-            dtype=args.dtype,
-            cuda_graphs=not args.no_cuda_graphs,
-        )
+        config = engine_config(args)
     except ValueError as e:
         return fail(str(e))
     if args.artifact is None:

@@ -147,7 +147,7 @@ def create_app(
         try:
             yield
         finally:
-            host.close()
+            await host.aclose()
 
     app = FastAPI(
         title="NInfer",
@@ -201,11 +201,12 @@ def create_app(
     async def create_completions(body: CompletionRequest, request: Request) -> Response:
         return await counted("/v1/completions", completions(body, request))
 
-    @authed.get("/v1/models", response_model=ModelList)
+    # exclude_unset: the scoring fields appear only on a causal_scoring server's card
+    @authed.get("/v1/models", response_model=ModelList, response_model_exclude_unset=True)
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @authed.get("/v1/models/{model}", response_model=ModelCard)
+    @authed.get("/v1/models/{model}", response_model=ModelCard, response_model_exclude_unset=True)
     async def get_model(model: str) -> dict[str, Any]:
         gateway.check_model(model)
         return model_card()
@@ -225,13 +226,17 @@ def create_app(
     started = int(time.time())
 
     def model_card() -> dict[str, Any]:
-        return {
+        card: dict[str, Any] = {
             "id": config.model_name,
             "object": "model",
             "created": started,
             "owned_by": config.owned_by,
-            "max_model_len": host.max_context,
+            "max_model_len": host.max_context,  # a scoring Engine's context is its window
         }
+        scoring = host.scoring_window
+        if scoring is not None:
+            card["score_window"], card["score_stride"] = scoring
+        return card
 
     @app.get("/health", response_model=ReadyResponse)
     async def health() -> dict[str, Any]:

@@ -20,7 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ninfer.runtime.engine.engine import Engine
-from ninfer.serve.convert import TokenTexts, bad_request, check_common, sampling_kwargs, usage_dict
+from ninfer.serve.convert import (
+    TextOffsets,
+    TokenTexts,
+    bad_request,
+    check_common,
+    sampling_kwargs,
+    usage_dict,
+)
 from ninfer.serve.errors import ServeError, from_engine_error
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.protocol import CompletionRequest
@@ -67,14 +74,6 @@ def prompts_of(body: CompletionRequest) -> list[Prompt]:
         if len(p) == 0:
             raise bad_request(f"prompt[{i}] is empty; give some text or at least one token id", "prompt")
     return prompts
-
-
-def text_offsets(start: int, texts: Sequence[str]) -> list[int]:
-    out, pos = [], start
-    for t in texts:
-        out.append(pos)
-        pos += len(t)
-    return out
 
 
 class CompletionsHandler:
@@ -155,7 +154,13 @@ class CompletionsHandler:
             if body.stream:
                 await unless_disconnected(request, all_or_none(r.wait_start() for r in runs))
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = self._chunks(runs, echoes, meta, include_usage, body.logprobs is not None)
+                skip_special = sampling["skip_special_tokens"]
+                offsets = (
+                    [TextOffsets(self.tokens, len(e), skip_special) for e in echoes]
+                    if body.logprobs is not None
+                    else None
+                )
+                events = self._chunks(runs, echoes, meta, include_usage, offsets)
                 return EventStreamResponse(events, close_all)
             results = await unless_disconnected(request, all_or_none(r.collect() for r in runs))
         except ClientGone:
@@ -165,6 +170,7 @@ class CompletionsHandler:
             close_all()
             raise
         close_all()
+        skip_special = sampling["skip_special_tokens"]
         choices = [
             self._choice(
                 i,
@@ -173,6 +179,7 @@ class CompletionsHandler:
                 r.reasoning_text,
                 r.logprobs if body.logprobs is not None else None,
                 r.finish_reason,
+                skip_special,
             )
             for i, r in enumerate(results)
         ]
@@ -189,8 +196,9 @@ class CompletionsHandler:
         echo: str,
         text: str,
         reasoning: str,
-        logprobs: Sequence[Any] | None,
+        logprobs: Sequence[TokenLogprob] | None,
         finish: str | None,
+        skip_special_tokens: bool = True,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
@@ -204,7 +212,9 @@ class CompletionsHandler:
                 "tokens": tokens,
                 "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [self.tokens.top_dict(lp) for lp in logprobs],
-                "text_offset": text_offsets(len(echo), tokens),
+                "text_offset": TextOffsets(self.tokens, len(echo), skip_special_tokens).feed(
+                    [lp.token_id for lp in logprobs]
+                ),
             }
         if reasoning:
             choice["reasoning_content"] = reasoning
@@ -259,32 +269,33 @@ class CompletionsHandler:
         echoes: list[str],
         meta: dict[str, Any],
         include_usage: bool,
-        logprobs: bool,
+        offsets: list[TextOffsets] | None,
     ) -> AsyncIterator[bytes]:
+        """The stream; ``offsets`` (one per choice, when logprobs were asked for) place each chunk's
+        tokens in the choice's whole text, whatever part of it a stop-string check still holds back."""
         base = {**meta, "object": "text_completion"}
         if include_usage:
             base["usage"] = None
-        offsets = [len(e) for e in echoes]
+        logprobs = offsets is not None
 
         def chunk(
             index: int,
             text: str,
             finish: str | None = None,
-            lps: Sequence[Any] | None = None,
+            lps: Sequence[TokenLogprob] | None = None,
             reasoning: str = "",
         ) -> bytes:
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if reasoning:
                 choice["reasoning_content"] = reasoning
             if lps is not None:
-                tokens = [self.tokens.text(lp.token_id) for lp in lps]
+                assert offsets is not None
                 choice["logprobs"] = {
-                    "tokens": tokens,
+                    "tokens": [self.tokens.text(lp.token_id) for lp in lps],
                     "token_logprobs": [lp.logprob for lp in lps],
                     "top_logprobs": [self.tokens.top_dict(lp) for lp in lps],
-                    "text_offset": text_offsets(offsets[index], tokens),
+                    "text_offset": offsets[index].feed([lp.token_id for lp in lps]),
                 }
-                offsets[index] += sum(len(t) for t in tokens)
             return sse({**base, "choices": [choice]})
 
         for i, echo in enumerate(echoes):
@@ -391,6 +402,10 @@ class CompletionsHandler:
                 finish = "stop"
         ids = [*score.token_ids, *([] if score.next_token is None else [score.next_token.token_id])]
         tokens = [self.tokens.text(t) for t in ids]
+        # the echo is the prompt decoded with its special tokens; the appended token starts where it ends
+        offsets = TextOffsets(self.tokens, 0, skip_special_tokens=False).feed(score.token_ids)
+        if score.next_token is not None:
+            offsets.append(len(echo))
         return {
             "index": index,
             "text": text,
@@ -398,7 +413,7 @@ class CompletionsHandler:
                 "tokens": tokens,
                 "token_logprobs": [None if e is None else e.logprob for e in entries],
                 "top_logprobs": [None if e is None else self.tokens.top_dict(e) for e in entries],
-                "text_offset": text_offsets(0, tokens),
+                "text_offset": offsets,
             },
             "finish_reason": finish,
         }

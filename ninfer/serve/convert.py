@@ -166,9 +166,17 @@ class TokenTexts:
     def __init__(self, frontend: ServeFrontend) -> None:
         self._frontend = frontend
         self.text = functools.lru_cache(maxsize=65536)(self._text)
+        self.piece = functools.lru_cache(maxsize=65536)(self._piece)
 
     def _text(self, token_id: int) -> str:
         return self._frontend.decode([token_id], skip_special_tokens=False)
+
+    def _piece(self, token_id: int, skip_special_tokens: bool) -> str:
+        """What one token adds to a choice's text (special tokens dropped when the request skips them)."""
+        return self._frontend.decode([token_id], skip_special_tokens=skip_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self._frontend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         text = self.text(lp.token_id)
@@ -188,6 +196,50 @@ class TokenTexts:
         for tid, value in lp.top:
             out.setdefault(self.text(tid), value)
         out.setdefault(self.text(lp.token_id), lp.logprob)
+        return out
+
+
+# a UTF-8 character spans at most 4 bytes and every token holds at least one byte: 4 tokens that still end
+# in an incomplete character are invalid UTF-8, counted as decoded (U+FFFD), as the detokenizer emits them
+_MAX_PENDING_TOKENS = 4
+
+
+class TextOffsets:
+    """Completions ``text_offset``: where each token starts in the choice's text (``start`` = the echoed
+    prompt's length), counted in characters of the decoded text rather than by adding up single-token
+    texts: a character split over byte-level tokens (an emoji, say) is one character of text but one
+    U+FFFD per token in ``tokens``, and a special token the request skips adds no text. A token that
+    continues an unfinished character gets that character's offset.
+
+    One instance per choice, fed every token in order. The offsets depend only on the tokens, never on
+    how much text a stream had emitted when they arrived (stop-string hold-back delays the text, not the
+    tokens), so a stream's offsets are the non-streamed ones. Tokens whose text a stop string cut off
+    point at or past the end of the text.
+    """
+
+    def __init__(self, texts: TokenTexts, start: int, skip_special_tokens: bool) -> None:
+        self._texts = texts
+        self._skip = skip_special_tokens
+        self._chars = start  # characters of text up to the end of the last complete character
+        self._pending: tuple[int, ...] = ()  # tokens since then: their bytes end inside a character
+
+    def feed(self, token_ids: Sequence[int]) -> list[int]:
+        out = []
+        for token_id in token_ids:
+            if self._pending:
+                text = self._texts.decode(self._pending, self._skip)
+                out.append(self._chars + len(text.rstrip("\ufffd")))  # the unfinished character's offset
+                tokens = (*self._pending, token_id)
+                text = self._texts.decode(tokens, self._skip)
+            else:
+                out.append(self._chars)
+                tokens = (token_id,)
+                text = self._texts.piece(token_id, self._skip)  # cached: the common, one-token case
+            if text.endswith("\ufffd") and len(tokens) < _MAX_PENDING_TOKENS:
+                self._pending = tokens
+            else:
+                self._chars += len(text)
+                self._pending = ()
         return out
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import anyio.to_thread
+
 from ninfer.runtime.engine.engine import Engine
 from ninfer.serve.errors import ServeError
 from ninfer.types import Availability
@@ -96,11 +98,17 @@ class EngineHost:
             self._thread.join(timeout)
 
     def close(self) -> None:
+        """Close the Engine; blocks while its worker drains (up to ``Engine.close``'s timeout)."""
         with self._lock:
             self._closed = True
             engine = self._engine
         if engine is not None:
             engine.close()
+
+    async def aclose(self) -> None:
+        """``close()`` on a worker thread: joining the Engine's worker must not stall the event loop,
+        which still serves the connections that are finishing during shutdown."""
+        await anyio.to_thread.run_sync(self.close)
 
     # ---- state ----
     def status(self) -> HostStatus:
@@ -147,3 +155,11 @@ class EngineHost:
     def max_context(self) -> int | None:
         engine = self.loaded
         return engine.max_context if engine is not None else None
+
+    @property
+    def scoring_window(self) -> tuple[int, int] | None:
+        """``(score_window, score_stride)`` of a loaded causal_scoring Engine; ``None`` otherwise."""
+        engine = self.loaded
+        if engine is None or engine.config.purpose != "causal_scoring":
+            return None
+        return engine.config.score_window, engine.config.score_stride

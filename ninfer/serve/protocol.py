@@ -343,7 +343,9 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None while the Engine loads; the window on a scoring server
+    score_window: int | None = None  # causal_scoring servers only: tokens per scoring window
+    score_stride: int | None = None  # causal_scoring servers only: tokens a window advances by
 
 
 class ModelList(BaseModel):

@@ -5,6 +5,7 @@ uvicorn picks uvloop when it is installed (``loop="auto"``) and its h11 HTTP/1.1
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -13,11 +14,12 @@ from fastapi import FastAPI
 
 # seconds a stopping server lets open connections finish before it closes them
 GRACEFUL_SHUTDOWN_S = 5
+STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (e.g. the port is taken)
 
 
-def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM stop it gracefully; the app closes its Engine)."""
-    uvicorn.run(
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """The one uvicorn configuration both ways of serving use."""
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -27,21 +29,23 @@ def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -
     )
 
 
+def serve_forever(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until interrupted (SIGINT/SIGTERM stop it gracefully; the app closes its Engine). Exits with
+    uvicorn's startup-failure status (3) when the server could not start, as ``uvicorn.run`` does."""
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)
+
+
 class BackgroundServer:
     """uvicorn on a daemon thread. ``start()`` returns once the socket listens; port 0 picks a free one."""
 
     def __init__(
         self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
     ) -> None:
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            loop="auto",
-            log_level=log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="ninfer-serve-http", daemon=True)

@@ -17,12 +17,37 @@ from ninfer.runtime.contract.types import WindowScores
 from ninfer.runtime.scoring.core import CausalScoreCore, ScoreWindow, plan_windows
 
 
+def _window_starts(n: int, stride: int, window: int) -> list[int]:
+    """Oracle, from the documented rule: multiples of stride while the window ends before the last token,
+    then one window aligned to the end of the text."""
+    return [s for s in range(0, n, stride) if s + window < n] + [max(0, n - window)]
+
+
+def _scoring_start(t: int, n: int, stride: int, window: int) -> int:
+    """Oracle: the earliest window start that holds token t with context before it (the most context)."""
+    return min(s for s in _window_starts(n, stride, window) if s < t < s + window)
+
+
 def test_plan_windows_by_hand() -> None:
     assert plan_windows(10, 4, 2) == [ScoreWindow(0, 4, 1), ScoreWindow(2, 6, 4), ScoreWindow(4, 8, 6),
                                       ScoreWindow(6, 10, 8)]
     assert plan_windows(4, 8, 4) == [ScoreWindow(0, 4, 1)]
-    assert plan_windows(9, 4, 3) == [ScoreWindow(0, 4, 1), ScoreWindow(3, 7, 4), ScoreWindow(6, 9, 7)]
+    # the last window ends at the last token and holds a full window, not [6, 9) from the stride rule
+    assert plan_windows(9, 4, 3) == [ScoreWindow(0, 4, 1), ScoreWindow(3, 7, 4), ScoreWindow(5, 9, 7)]
     assert plan_windows(1, 4, 2) == [] and plan_windows(0, 4, 2) == []
+    assert plan_windows(4, 4, 2) == [ScoreWindow(0, 4, 1)]
+
+
+def test_tail_token_gets_a_full_window() -> None:
+    """2049 tokens, window 2048, stride 1024: token 2048 is scored with 2047 tokens of context (window
+    [1, 2049)), not 1024 (a window starting at 1024), and the next-token prediction sees 2048 tokens."""
+    assert plan_windows(2049, 2048, 1024) == [ScoreWindow(0, 2048, 1), ScoreWindow(1, 2049, 2048)]
+    program = ScriptedScoringProgram(max_context=2048)
+    ids = [i % 500 for i in range(2049)]
+    result = CausalScoreCore(program, 2048, 1024).score(ids, next_token=True)
+    assert result.logprobs[2048] == -2047 - ids[2048] / 1000.0
+    assert result.next_token is not None and result.next_token.logprob == -2048.0
+    assert [len(w) for w in program.windows] == [2048, 2048]
 
 
 @settings(max_examples=100, deadline=None)
@@ -33,10 +58,11 @@ def test_each_token_is_scored_once_with_the_most_context(n: int, window: int, da
     result = CausalScoreCore(program, window, stride).score(list(range(n)))
     assert len(result.logprobs) == n and (n == 0 or result.logprobs[0] is None)
     for t in range(1, n):
-        # oracle: the earliest window start (multiple of stride) that holds t with context before it
-        start = min(s for s in range(0, n, stride) if s < t < s + window)
+        start = _scoring_start(t, n, stride, window)
         assert result.logprobs[t] == -(t - start) - t / 1000.0
-    assert all(len(w) <= window for w in program.windows)
+        if t >= window:  # past the first window, tail tokens included: at least window - stride of context
+            assert t - start >= window - stride
+    assert all(len(w) == min(n, window) for w in program.windows)
     assert math.isclose(result.total_nll, -sum(lp for lp in result.logprobs if lp is not None))
 
 
@@ -61,9 +87,6 @@ def test_window_larger_than_program_context_is_a_clear_error() -> None:
                           EngineConfig(purpose="causal_scoring", score_window=16, score_stride=8))
 
 
-def _scoring_start(t: int, n: int, stride: int, window: int) -> int:
-    """Oracle: the earliest window start (a multiple of stride) that holds token t with context before it."""
-    return min(s for s in range(0, n, stride) if s < t < s + window)
 
 
 @settings(max_examples=100, deadline=None)
@@ -89,9 +112,10 @@ def test_alternatives_and_next_token_come_from_the_right_window(
     if n == 0:
         assert result.next_token is None and program.calls == []
         return
-    # the window that ends at the last token: the earliest stride multiple s with s + window >= n
-    last_start = min(s for s in range(0, n, stride) if s + window >= n)
+    # the window that ends at the last token, as long as the window allows
+    last_start = _window_starts(n, stride, window)[-1]
     ctx = n - last_start
+    assert ctx == min(n, window)
     assert result.next_token == TokenLogprob(
         ids[-1] + 1, -float(ctx), tuple((ids[-1] + 1 + j, -float(ctx) - j) for j in range(top_n))
     )

@@ -3,8 +3,9 @@
 A text that fits one window gets the full-context values; a longer text gets, per token, the value
 transformers computes over the window that scored it. The window rule is re-derived here from its
 documentation (docs/engine.md, ninfer/runtime/scoring/core.py), not imported: windows start at
-multiples of the stride, and each token takes its value from the earliest-starting window that holds it
-with at least one token before it. Also `ninfer score ARTIFACT - --json` in a subprocess.
+multiples of the stride while they end before the last token, the last window is aligned to the end of
+the text, and each token takes its value from the earliest-starting window that holds it with at least
+one token before it. Also `ninfer score ARTIFACT - --json` in a subprocess.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ LONG_TEXT = (
 )
 
 
-def window_start(t: int, window: int, stride: int) -> int:
-    """Start of the window that scores token ``t >= 1``: the smallest multiple of ``stride`` that still
-    holds ``t`` with context before it, i.e. ``start >= t - window + 1``."""
-    return -(-max(0, t - window + 1) // stride) * stride
+def window_start(t: int, n: int, window: int, stride: int) -> int:
+    """Start of the window that scores token ``t >= 1`` of an ``n``-token text: the earliest of the
+    stride multiples whose window ends before the last token and the end-aligned ``n - window``
+    that holds ``t`` with context before it."""
+    starts = [s for s in range(0, n, stride) if s + window < n] + [max(0, n - window)]
+    return min(s for s in starts if s < t < s + window)
 
 
 @pytest.fixture(scope="module", params=PACKAGE_NAMES)
@@ -73,13 +76,15 @@ def test_long_text_takes_each_value_from_its_window(scored: tuple[str, ScoreResu
     n = len(ids)
     by_start: dict[int, list[float]] = {}
     for t in range(1, n):
-        s = window_start(t, WINDOW, STRIDE)
+        s = window_start(t, n, WINDOW, STRIDE)
+        assert s + WINDOW <= n  # every window is a full one: the tail is not scored from a short window
         if s not in by_start:  # transformers over exactly that window (positions restart at 0)
-            by_start[s] = hf_logprobs(name, ids[s : min(s + WINDOW, n)])
+            by_start[s] = hf_logprobs(name, ids[s : s + WINDOW])
         want = by_start[s][t - s - 1]
         got = long.logprobs[t]
         assert got is not None and abs(got - want) <= TOL, (t, s, got, want)
     assert long.logprobs[0] is None
+    assert n - WINDOW in by_start and (n - WINDOW) % STRIDE  # the end-aligned window is off the stride grid
     assert math.isclose(long.total_nll, -math.fsum(long.logprobs[1:]), rel_tol=1e-9)  # type: ignore[arg-type]
     # the windows matter: beyond the first window the full-context values are different numbers
     full = hf_logprobs(name, ids)

@@ -128,10 +128,15 @@ def test_batch_of_token_prompts_and_long_text(server: BackgroundServer, frontend
         frontend.decode([short[1]]): first["logprobs"]["token_logprobs"][1]
     }
     got = second["logprobs"]["token_logprobs"]
+    n = len(long)
+    assert STRIDE + WINDOW < n < 2 * STRIDE + WINDOW  # windows [0, W), [S, S + W), then [n - W, n)
     assert got[1:WINDOW] == pytest.approx(oracle_logprobs(tuple(long[:WINDOW])), abs=ATOL)
     # tokens past the first window were scored by the window starting at STRIDE
-    tail = oracle_logprobs(tuple(long[STRIDE : STRIDE + WINDOW]))
-    assert got[WINDOW : STRIDE + WINDOW] == pytest.approx(tail[WINDOW - STRIDE - 1 :], abs=ATOL)
+    middle = oracle_logprobs(tuple(long[STRIDE : STRIDE + WINDOW]))
+    assert got[WINDOW : STRIDE + WINDOW] == pytest.approx(middle[WINDOW - STRIDE - 1 :], abs=ATOL)
+    # the rest by the last window, aligned to the end of the text (a full window, not one from 2 * STRIDE)
+    tail = oracle_logprobs(tuple(long[n - WINDOW :]))
+    assert got[STRIDE + WINDOW :] == pytest.approx(tail[STRIDE + 2 * WINDOW - n - 1 :], abs=ATOL)
     assert out["usage"]["prompt_tokens"] == len(short) + len(long)
 
 
@@ -140,8 +145,8 @@ def test_long_text_alternatives_and_next_token_come_from_their_windows(
 ) -> None:
     ids = frontend.encode(TEXT + " " + TEXT)
     n = len(ids)
-    last_start = min(s for s in range(0, n, STRIDE) if s + WINDOW >= n)  # the window ending at the end
-    assert last_start > STRIDE, "the text spans at least three windows"
+    last_start = n - WINDOW  # the window ending at the last token holds a full window of context
+    assert n > STRIDE + WINDOW, "the text spans three windows"
     body = _score(server, prompt=ids, echo=True, logprobs=3, max_tokens=1, temperature=0).json()
     lps = body["choices"][0]["logprobs"]
     assert len(lps["tokens"]) == n + 1

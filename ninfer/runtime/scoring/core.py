@@ -3,16 +3,19 @@
 No request, continuation, checkpoint or cache entry exists here: each window runs on temporary, empty
 State and Main KV inside the Program, serially. Window placement (``score_window``/``score_stride``):
 
-- a text of ``n <= window`` tokens is scored in one window;
-- a longer text is scored in windows ``[s, s + window)`` for ``s = 0, stride, 2*stride, ...`` until a
-  window reaches the last token;
-- each token takes its logprob from the *first* window that scores it (the earliest-starting window
-  that holds the token with at least one token before it), which is the window giving it the most
-  context; the first token of the text has no context and no logprob;
+- a text of ``n <= window`` tokens is scored in one window ``[0, n)``;
+- a longer text is scored in windows ``[s, s + window)`` for ``s = 0, stride, 2*stride, ...`` while such a
+  window ends before the last token, then in one last window aligned to the end of the text,
+  ``[n - window, n)``, which starts at most ``stride`` tokens after the window before it;
+- each token takes its logprob from the *first* window that holds it with at least one token before it;
+  all windows but a short text's have ``window`` tokens, so the earliest-starting one gives it the most
+  context: every token past the first window gets at least ``window - stride`` tokens of context, the
+  tail tokens included (the last window is not cut short where the text ends); the first token of the
+  text has no context and no logprob;
 - a token's top-n alternatives come from the same window as its logprob (the same logits), so a greedy
   token's logprob equals its top-1 value exactly;
 - the prediction after the last token (``next_token``) comes from the last window, the one that ends at
-  the last token; a one-token text gets a one-token window for it.
+  the last token, with ``min(n, window)`` tokens of context; a one-token text gets a one-token window.
 """
 
 from __future__ import annotations
@@ -35,18 +38,22 @@ class ScoreWindow:
 
 
 def plan_windows(n_tokens: int, window: int, stride: int) -> list[ScoreWindow]:
-    """Windows that score tokens ``1..n_tokens-1`` exactly once, each with the most context available."""
+    """Windows that score tokens ``1..n_tokens-1`` exactly once, each with the most context available
+    (see the module docstring): stride-aligned windows, then one window ending at the last token."""
     if window < 2 or not 1 <= stride < window:
         raise ValueError(f"need window >= 2 and 1 <= stride < window, got window={window}, stride={stride}")
+    if n_tokens < 2:
+        return []  # nothing to score: token 0 never has a logprob
     windows: list[ScoreWindow] = []
-    scored_upto = 1  # tokens below this index already have their logprob (token 0 never has one)
+    first_new = 1  # tokens below this index already have their logprob
     start = 0
-    while scored_upto < n_tokens:
-        end = min(start + window, n_tokens)
-        if end > scored_upto:
-            windows.append(ScoreWindow(start, end, scored_upto))
-            scored_upto = end
+    while start + window < n_tokens:  # a full stride-aligned window that stops short of the last token
+        windows.append(ScoreWindow(start, start + window, first_new))
+        first_new = start + window
         start += stride
+    # the last window ends at the last token with as much context as the window allows, so the tail
+    # tokens and the next-token prediction never get a short window that merely starts at a stride multiple
+    windows.append(ScoreWindow(max(0, n_tokens - window), n_tokens, first_new))
     return windows
 
 
