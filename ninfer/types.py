@@ -120,7 +120,8 @@ class GenerationRequest:
     fresh seed. ``stop``/``stop_token_ids`` end generation (the stop string is not included in the text
     unless ``include_stop_str_in_output``); ``ignore_eos`` keeps going past end-of-sequence tokens.
     ``logprobs`` adds the chosen token's logprob, ``top_logprobs`` (0..20) that many alternatives.
-    ``thinking_budget`` caps reasoning tokens: the Frontend then forces the end of the thinking block.
+    ``thinking_budget`` (>= 1) caps reasoning tokens: the Frontend then forces the end of the thinking
+    block. It cannot be 0: the first token is sampled together with the end of the prompt.
     """
 
     prompt: str | Sequence[int] | None = None
@@ -175,8 +176,12 @@ class GenerationRequest:
             out.append(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             out.append("top_logprobs needs logprobs=True")
-        if self.thinking_budget is not None and self.thinking_budget < 0:
-            out.append(f"thinking_budget must be >= 0, got {self.thinking_budget}")
+        if self.thinking_budget is not None and self.thinking_budget < 1:
+            out.append(
+                f"thinking_budget must be >= 1, got {self.thinking_budget}: the final prefill step always "
+                "samples the first token before the thinking block can be closed; to skip thinking, "
+                "turn it off in the chat template (chat_template_kwargs enable_thinking=False)"
+            )
         return out
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -347,6 +352,16 @@ class RequestRejected(NInferError):
 
     def __repr__(self) -> str:
         return f"RequestRejected({self.kind!r}, {self.message!r})"
+
+
+class RequestFailed(NInferError):
+    """Only this request failed while it ran: forming its output raised (e.g. a bug in the package's
+    tool-call parser). Its resources were released; the Engine serves the other requests on."""
+
+    kind = "output_error"
+
+    def __repr__(self) -> str:
+        return f"RequestFailed({self.message!r})"
 
 
 class EngineFailed(NInferError):

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from ninfer.types import EngineFailed, NInferError, RequestRejected
+from ninfer.types import EngineFailed, NInferError, RequestFailed, RequestRejected
 
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -101,6 +101,8 @@ def from_engine_error(exc: NInferError, retry_after_s: int) -> ServeError:
             f"{exc.message}. The server cannot serve until it is restarted; check its log.",
             code="engine_failed",
         )
+    if isinstance(exc, RequestFailed):  # this request's output processing failed; the server is fine
+        return ServeError(500, f"{exc.message}. Other requests are unaffected.", code="output_error")
     return ServeError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
 
 

@@ -170,7 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_budget: int | None = Field(None, ge=0, description="cap on reasoning tokens (extension)")
+    thinking_budget: int | None = Field(None, ge=1, description="cap on reasoning tokens, >= 1 (extension)")
 
 
 PromptInput = str | list[TokenId] | list[str] | list[Annotated[list[TokenId], Field(min_length=1)]]

@@ -22,13 +22,14 @@ class FakeClock:
 def make_engine(
     *,
     program: ScriptedProgram | None = None,
+    frontend: ScriptedFrontend | None = None,
     clock: FakeClock | None = None,
     start_worker: bool = False,
     **config: Any,
 ) -> tuple[Engine, ScriptedProgram, ScriptedFrontend]:
     """A generation Engine on a ScriptedProgram; config keys go to EngineConfig."""
     program = program or ScriptedProgram(max_concurrency=config.get("max_concurrency", 4))
-    frontend = ScriptedFrontend()
+    frontend = frontend or ScriptedFrontend()
     config.setdefault("warmup", False)
     config.setdefault("page_size", program.page_size)
     engine = Engine.from_parts(

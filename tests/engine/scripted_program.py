@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ninfer.runtime.contract.types import (
     Blocked,
@@ -392,11 +393,38 @@ class ScriptedProgram:
         return ResourceResult("released", self._revision, handle=handle)
 
 
+@dataclass(frozen=True)
+class ProofAttempt:
+    """One ``prove_backfill`` call, by prompts (the tests' request identities)."""
+
+    head: bytes
+    donors: tuple[bytes, ...]
+    borrower: bytes
+    proved: bool
+
+
 class ProvingProgram(ScriptedProgram):
     """A ScriptedProgram that can prove backfills: while the borrower holds its whole reservation, the
-    end of the donors alone must leave room for the head (root source; no cache exists here)."""
+    end of the donors alone must leave room for the head (root source; no cache exists here). Every
+    call is logged in ``proofs``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.proofs: list[ProofAttempt] = []
 
     def prove_backfill(
+        self, head: RequestPlan, donors: Sequence[SequenceHandle], borrower: RequestPlan
+    ) -> ResourcePlan | None:
+        proof = self._prove(head, donors, borrower)
+        self.proofs.append(ProofAttempt(
+            bytes(head.prompt_token_ids),
+            tuple(bytes(self._seq(h).plan.prompt_token_ids) for h in donors),
+            bytes(borrower.prompt_token_ids),
+            proof is not None,
+        ))
+        return proof
+
+    def _prove(
         self, head: RequestPlan, donors: Sequence[SequenceHandle], borrower: RequestPlan
     ) -> ResourcePlan | None:
         outcome = self.plan_materialization(borrower)

@@ -7,12 +7,14 @@ Program transactions before releasing active state, and the consumer never saw a
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from engine_fixtures import drain, make_engine
 from scripted_program import PendingBatch, ScriptedProgram
 
-from ninfer import EngineFailed, GenerationRequest
-from ninfer.runtime.contract.types import SequenceHandle
+from ninfer import EngineFailed, GenerationHandle, GenerationRequest
+from ninfer.runtime.contract.types import RequestPlan, SequenceHandle
 
 JOIN_TIMEOUT_S = 10.0
 RESULT_TIMEOUT_S = 10.0
@@ -78,9 +80,20 @@ def test_program_fault_fails_engine_cleanly(fault: dict[str, int]) -> None:
 def test_fault_in_abort_of_a_cancelled_materialization() -> None:
     program = _program({"abort": 1}, polls=10**9)  # the transaction never completes by itself
     engine, program, _ = make_engine(program=program, start_worker=True, max_concurrency=2)
+    submitted = threading.Event()
+    handles: list[GenerationHandle] = []
+
+    def cancel_once_both_submitted(plan: RequestPlan) -> None:
+        # the worker may reach start() before the test submitted the second request: wait for it, so the
+        # failure (abort raising) cannot overtake that submit
+        assert submitted.wait(RESULT_TIMEOUT_S)
+        handles[0].cancel()  # cancelled while Materializing
+
+    program.on_start = cancel_once_both_submitted
     first = engine.submit(GenerationRequest(prompt="abc", max_tokens=4))
-    program.on_start = lambda plan: first.cancel()  # cancelled while Materializing
+    handles.append(first)
     waiting = engine.submit(GenerationRequest(prompt="def", max_tokens=4))
+    submitted.set()
     for h in (first, waiting):
         r = h.result(RESULT_TIMEOUT_S, raise_on_error=False)
         assert r.finish_reason == "error" and isinstance(r.error, EngineFailed)

@@ -8,7 +8,7 @@ import gc
 import pytest
 from engine_fixtures import drain, make_engine
 from scripted_frontend import THINK_CLOSE
-from scripted_program import ProvingProgram, ScriptedProgram, next_token, token_logprob
+from scripted_program import ProofAttempt, ProvingProgram, ScriptedProgram, next_token, token_logprob
 
 from ninfer import GenerationRequest
 from ninfer.runtime.engine.engine import GenerationHandle
@@ -133,6 +133,9 @@ def test_dropped_handle_counts_as_consumer_release() -> None:
     engine.core.step()
     del handle
     gc.collect()
+    # the finalizer only queued a signal; the worker releases the consumer side at its next boundary
+    assert not channel.consumer_released and not channel.cancel_requested
+    engine.core.step()
     assert channel.consumer_released and channel.cancel_requested
     drain(engine)
     assert channel.final is not None and channel.final.finish_reason == "cancelled"
@@ -329,4 +332,34 @@ def test_backfill_only_with_the_programs_proof() -> None:
     drain(engine)
     assert starts == [20, 2, 12]
     assert all(h.result().finish_reason == "length" for h in (a, b, c))
+    assert program.usage() == engine.core.baseline
+
+
+def test_second_borrower_is_proved_against_the_recorded_donors_only() -> None:
+    """The donor set is the one recorded when the head was blocked: a first borrower admitted since then
+    is no donor (its reservation stays while the head waits), so it cannot vouch for a second one."""
+    program = ProvingProgram(max_concurrency=4, max_context=64, page_size=4, kv_pages=10, eos_period=0)
+    engine, program, _ = make_engine(program=program, max_concurrency=4, page_size=4)
+    live_at_start: dict[bytes, set[bytes]] = {}  # borrower prompt -> prompts holding a sequence then
+    program.on_start = lambda plan: live_at_start.__setitem__(
+        bytes(plan.prompt_token_ids), {bytes(s.plan.prompt_token_ids) for s in program.sequences()}
+    )
+    a = engine.submit(GenerationRequest(prompt="a" * 4, max_tokens=16, seed=1))  # 20 pos = 5 pages
+    engine.core.step()
+    b = engine.submit(GenerationRequest(prompt="b" * 4, max_tokens=28, seed=2))  # 8 pages: blocked by a
+    c = engine.submit(GenerationRequest(prompt="c", max_tokens=3, seed=3))  # 1 page: a's end still admits b
+    d = engine.submit(GenerationRequest(prompt="dd", max_tokens=6, seed=4))  # 2 pages: only if c ends too
+    drain(engine)
+    assert engine.core.snapshot().donors == frozenset()
+    pa, pb, pc, pd = b"aaaa", b"bbbb", b"c", b"dd"
+    assert program.proofs[0] == ProofAttempt(pb, (pa,), pc, True)
+    d_proofs = [p for p in program.proofs if p.borrower == pd]
+    assert d_proofs, "the second borrower was never considered"
+    # every proof for d counts a only (a is the one recorded donor; c is never one)
+    assert all(p.head == pb and p.donors == (pa,) for p in d_proofs), d_proofs
+    # while c held its page, a's end would leave 7 < 8 pages for b: refused; once c ended, d borrowed
+    assert [p.proved for p in d_proofs] == [False] * (len(d_proofs) - 1) + [True]
+    assert pc not in live_at_start[pd] and pa in live_at_start[pd]
+    assert list(live_at_start) == [pa, pc, pd, pb]
+    assert all(h.result().finish_reason == "length" for h in (a, b, c, d))
     assert program.usage() == engine.core.baseline

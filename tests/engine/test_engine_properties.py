@@ -42,6 +42,7 @@ class Submitted:
     handle: object | None  # GenerationHandle, or None once dropped
     max_new: int
     events: list[object] = field(default_factory=list)
+    dropped: bool = False  # the handle was garbage-collected (its finalizer signalled the worker)
 
 
 @dataclass
@@ -144,6 +145,8 @@ class Harness:
         assert len(staged) <= 1, f"more than one staged prefill: {staged}"
         busy_lanes = [lane for lane in snap.lanes if lane.state is not LaneState.FREE]
         assert len(busy_lanes) == self.program.usage().sequences + self.program.usage().open_transactions
+        for e in self.submitted:  # a boundary handles every drop signalled before it
+            assert not e.dropped or e.channel.consumer_released, "a dropped handle was not released"
 
     def read(self, index: int) -> None:
         entry = self.submitted[index]
@@ -160,8 +163,13 @@ class Harness:
 
     def drop(self, index: int) -> None:
         entry = self.submitted[index]
-        entry.handle = None  # the last reference: the handle's finalizer releases the consumer side
-        assert entry.channel.consumer_released
+        if entry.handle is None:
+            return
+        released_before = entry.channel.consumer_released
+        entry.handle = None  # the last reference: the finalizer only signals the worker (it takes no lock)
+        entry.dropped = True
+        assert entry.channel.consumer_released == released_before, "the finalizer released by itself"
+        assert not self.core.idle, "the drop signal is not pending for the worker"
 
 
 def make_harness(mc: int, queue: int, pages: int, spec_k: int, polls: int, chunk: int) -> Harness:

@@ -63,6 +63,9 @@ def test_max_tokens_default_fills_the_context() -> None:
         ({"prompt": [1, 2, 999]}, "cannot be prepared"),
         ({"prompt": "a", "stop": [""]}, "stop strings"),
         ({"prompt": "a", "seed": -1}, "seed"),
+        # the final prefill chunk samples the first token before any close tag can be forced
+        ({"messages": [{"role": "user", "content": "b"}], "thinking_budget": 0}, "must be >= 1, got 0"),
+        ({"prompt": "a", "thinking_budget": -3}, "enable_thinking=False"),
     ],
 )
 def test_invalid_request_is_rejected_with_what_to_change(request_kwargs: dict, words: str) -> None:

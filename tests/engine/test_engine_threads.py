@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import time
 
+import pytest
 from engine_fixtures import make_engine
 from scripted_program import ScriptedProgram, next_token
 
@@ -12,6 +15,7 @@ from ninfer import EngineFailed, GenerationRequest
 from ninfer.types import GenerationDelta, GenerationResult, GenerationStart
 
 TIMEOUT_S = 20.0
+DEADLOCK_JOIN_S = 5.0  # a gc.collect() of one handle takes milliseconds; longer means a deadlock
 
 
 def expected(seed: int, prompt: bytes, n: int) -> tuple[int, ...]:
@@ -130,4 +134,66 @@ def test_close_cancels_outstanding_requests_and_refuses_new_ones() -> None:
         assert "closed" in err.message
     else:
         raise AssertionError("submit after close must fail")
+    assert program.usage() == engine.core.baseline
+
+
+@pytest.mark.parametrize("held", ["engine lock", "channel lock"])
+def test_handle_collected_by_the_cycle_gc_inside_a_lock_does_not_deadlock(held: str) -> None:
+    """The cycle collector may finalize a dropped handle on any thread at any allocation, also one that
+    holds the Engine's or the channel's (non-reentrant) lock. The finalizer takes no lock: it only queues
+    the request id, and the worker releases the consumer side at its next boundary."""
+    engine, program, _ = make_engine(
+        program=ScriptedProgram(max_concurrency=1, max_context=64, page_size=4, kv_pages=64, eos_period=0),
+        max_concurrency=1,
+    )
+    handle = engine.submit(GenerationRequest(prompt="abc", max_tokens=20, seed=1))
+    engine.core.step()
+    channel = handle._channel
+    lock = engine.core._lock if held == "engine lock" else channel._lock
+    gc.disable()  # the cycle must be collected inside the lock, not by an automatic collection before
+    try:
+        handle.cycle = handle  # type: ignore[attr-defined]  # only the cycle collector can free it now
+        del handle
+
+        def collect_holding_the_lock() -> None:
+            with lock:
+                gc.collect()
+
+        collector = threading.Thread(target=collect_holding_the_lock, daemon=True)
+        collector.start()
+        collector.join(DEADLOCK_JOIN_S)
+    finally:
+        gc.enable()
+    assert not collector.is_alive(), f"the handle's finalizer deadlocked on the {held}"
+    assert not channel.consumer_released  # only a signal so far
+    engine.core.step()
+    assert channel.consumer_released and channel.cancel_requested
+    while not engine.core.idle:
+        engine.core.step()
+    assert channel.final is not None and channel.final.finish_reason == "cancelled"
+    assert channel.capacity_release_count == 1 and engine.core.outstanding == 0
+    assert program.usage() == engine.core.baseline
+
+
+def test_idle_worker_wakes_to_release_a_collected_handle() -> None:
+    """A finished request whose consumer never read the result holds capacity until its handle goes;
+    the finalizer's signal wakes the sleeping worker, which releases it exactly once."""
+    engine, program, _ = _engine()
+    handle = engine.submit(GenerationRequest(prompt="abc", max_tokens=3, seed=1))
+    channel = handle._channel
+    deadline = time.monotonic() + TIMEOUT_S
+    while not handle.done:
+        assert time.monotonic() < deadline, "the request did not finish"
+        time.sleep(0.001)
+    assert engine.core.outstanding == 1  # done, but the consumer still holds it
+    handle.cycle = handle  # type: ignore[attr-defined]
+    del handle
+    gc.collect()
+    while engine.core.outstanding:
+        assert time.monotonic() < deadline, "the worker did not wake to release the dropped handle"
+        time.sleep(0.001)
+    assert channel.consumer_released and channel.capacity_release_count == 1
+    assert channel.final is not None and channel.final.finish_reason == "length"
+    engine.close()
+    assert not engine.core.thread.is_alive()
     assert program.usage() == engine.core.baseline

@@ -7,10 +7,15 @@ embedders that bring their own Program and Frontend use ``Engine.from_parts``.
 Generation requests are validated and prepared on the caller's thread (Frontend tokenization and chat
 template), then handed to the worker through a bounded ingress. Everything after that happens on the
 worker; the caller holds a ``GenerationHandle``.
+
+At interpreter exit an ``atexit`` hook closes every Engine whose worker still runs and joins it: a
+daemon worker killed inside torch during interpreter teardown can abort the process ("terminate
+called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import threading
@@ -38,6 +43,7 @@ from ninfer.types import (
 
 WARMUP_PROMPT = "Hello"
 WARMUP_MAX_TOKENS = 2
+CLOSE_JOIN_S = 30.0  # how long close() (and the exit hook) waits for the worker to finish its unit
 
 
 class GenerationHandle:
@@ -48,8 +54,9 @@ class GenerationHandle:
     def __init__(self, channel: ResponseChannel) -> None:
         self._channel = channel
         self.request_id = channel.request_id
-        # the finalizer holds the channel, never the handle, so the handle can be collected
-        self._release = weakref.finalize(self, channel.abandon)
+        # the finalizer holds the channel, never the handle, so the handle can be collected; it may run
+        # on any thread inside any lock, so it only signals the worker (which then releases)
+        self._dropped = weakref.finalize(self, channel.signal_dropped)
 
     # ---- events ----
     def __iter__(self) -> Iterator[GenerationEvent]:
@@ -107,7 +114,8 @@ class GenerationHandle:
 
     def close(self) -> None:
         """Release the consumer side (cancels the request if it is still running). Idempotent."""
-        self._release()
+        if self._dropped.detach() is not None:  # the first close; ordinary code, so locks are fine
+            self._channel.abandon()
 
     def __enter__(self) -> GenerationHandle:
         return self
@@ -188,6 +196,7 @@ class Engine:
             core.set_availability("ready")
             return
         core.start_thread()
+        _RUNNING_CORES.add(core)
         if config.warmup:
             core.set_availability("warming")
             # the same public path as any request; the (future) context cache is off for it
@@ -321,9 +330,11 @@ class Engine:
         if not 0 <= top_n <= MAX_TOP_LOGPROBS:
             raise RequestRejected("invalid_request", f"top_n must be 0..{MAX_TOP_LOGPROBS}, got {top_n}")
         with self._score_lock:
-            if self._scoring_availability.state != "ready":
-                raise EngineFailed(f"the Engine is {self._scoring_availability.state}: "
-                                   f"{self._scoring_availability.reason}")
+            availability = self._scoring_availability
+            if availability.state == "closed":
+                raise EngineFailed("the Engine is closed and scores no more texts; start a new Engine")
+            if availability.state != "ready":
+                raise EngineFailed(f"the Engine failed and scores no more texts: {availability.reason}")
             out: list[ScoreResult] = []
             for text in texts:
                 try:
@@ -343,15 +354,12 @@ class Engine:
             return out
 
     # ---- lifecycle ----
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop accepting requests, cancel outstanding ones and join the worker."""
+    def close(self, timeout: float = CLOSE_JOIN_S) -> None:
+        """Stop accepting requests, cancel outstanding ones and join the worker. Idempotent."""
         if self._core is None:
             self._scoring_availability = Availability("closed")
             return
-        self._core.close()
-        thread = self._core.thread
-        if thread is not None:
-            thread.join(timeout)
+        _close_core(self._core, timeout)
 
     def __enter__(self) -> Engine:
         return self
@@ -360,3 +368,30 @@ class Engine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# workers that were started and may still run; weak, so an Engine (and its core) can still be collected
+# once its worker has exited
+_RUNNING_CORES: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+
+def _close_core(core: EngineCore, timeout: float) -> None:
+    """Close the core, join its worker, then settle handles dropped after the worker's last boundary."""
+    core.close()
+    thread = core.thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
+    if thread is None or not thread.is_alive():
+        core.settle_dropped_handles()
+
+
+def _close_running_engines() -> None:
+    """atexit: close every Engine whose worker still runs, so no daemon worker is inside the Program
+    when the interpreter tears down (a dropped Engine counts too: its running worker keeps the core)."""
+    for core in list(_RUNNING_CORES):
+        thread = core.thread
+        if thread is not None and thread.is_alive():
+            _close_core(core, CLOSE_JOIN_S)
+
+
+atexit.register(_close_running_engines)

@@ -2,10 +2,13 @@
 
 Other threads reach it only through ``submit`` (a bounded ingress), the per-request ``ResponseChannel``
 (cancellation flag, events) and ``close``. ``step()`` runs one worker boundary; the threaded worker
-just loops it, and tests call it directly for deterministic, reproducible schedules.
+just loops it, and tests call it directly for deterministic, reproducible schedules. The idle worker
+sleeps on a ``queue.SimpleQueue`` of signals (wake-ups, and ids of dropped handles), the one primitive a
+garbage-collector finalizer may touch on any thread without risking a deadlock.
 
 One worker boundary, in this order (docs/engine.md, "Worker boundary"):
- 1. take new submissions; end waiting requests that timed out or were cancelled;
+ 1. release handles dropped since the last boundary; take new submissions; end waiting requests that
+    timed out or were cancelled;
  2. advance the open resource transition (abort it if its request was cancelled);
  3. settle TerminalPending requests (release, adopt, free the lane, complete the response);
  4. freeze the cancellation snapshot of active requests (they go TerminalPending);
@@ -19,13 +22,19 @@ One worker boundary, in this order (docs/engine.md, "Worker boundary"):
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ninfer.runtime.contract.frontend import OutputPreviewLike, OutputSessionLike, PreparedPromptLike
+from ninfer.runtime.contract.frontend import (
+    OutputDeltaLike,
+    OutputPreviewLike,
+    OutputSessionLike,
+    PreparedPromptLike,
+)
 from ninfer.runtime.contract.types import (
     BackfillProver,
     Blocked,
@@ -57,6 +66,7 @@ from ninfer.types import (
     FinishReason,
     GenerationDelta,
     NInferError,
+    RequestFailed,
     RequestRejected,
     ToolCallDelta,
 )
@@ -105,8 +115,8 @@ class EngineCore:
         self._clock = clock
         # ---- shared with other threads (guarded by _lock) ----
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._wake_pending = False
+        # wake-ups (None) and dropped handles' request ids; lock-free, so finalizers may put into it
+        self._signals: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._ingress: deque[RequestRecord] = deque()
         self._channels: dict[int, ResponseChannel] = {}
         self._outstanding = 0
@@ -175,7 +185,7 @@ class EngineCore:
             order = self._next_order
             self._next_order += 1
             self._outstanding += 1
-            channel = ResponseChannel(order, self._release_capacity, self._wake_worker)
+            channel = ResponseChannel(order, self._release_capacity, self._signals)
             timeout = self._config.queue_timeout_s
             record = RequestRecord(
                 request_id=order,
@@ -188,8 +198,7 @@ class EngineCore:
             )
             self._ingress.append(record)
             self._channels[order] = channel
-            self._wake_pending = True
-            self._wake.notify()
+        self._signals.put(None)
         return channel
 
     def _release_capacity(self, request_id: int) -> None:
@@ -197,18 +206,31 @@ class EngineCore:
             self._outstanding -= 1
             self._channels.pop(request_id, None)
 
-    def _wake_worker(self) -> None:
-        with self._lock:
-            self._wake_pending = True
-            self._wake.notify()
+    def settle_dropped_handles(self) -> bool:
+        """Release the consumer side of every request whose handle was garbage-collected since the last
+        call (the finalizer only queued its id). Called by the worker at ingress, and by
+        ``Engine.close`` once the worker is gone. Returns whether any handle was dropped."""
+        dropped: list[int] = []
+        while True:
+            try:
+                signal = self._signals.get_nowait()
+            except queue.Empty:
+                break
+            if signal is not None:
+                dropped.append(signal)
+        for request_id in dropped:
+            with self._lock:
+                channel = self._channels.get(request_id)
+            if channel is not None:  # None: its capacity was already released
+                channel.abandon(wake_worker=False)
+        return bool(dropped)
 
     def close(self) -> None:
         """Stop accepting requests and cancel every outstanding one; the worker exits once all ended."""
         with self._lock:
             self._closing = True
             channels = list(self._channels.values())
-            self._wake_pending = True
-            self._wake.notify()
+        self._signals.put(None)
         for channel in channels:
             channel.cancel()
 
@@ -232,9 +254,18 @@ class EngineCore:
                 if self._closing and not self._live and not self._ingress:
                     self._availability = Availability("closed")
                     return
-                if did_work or self._wake_pending:
-                    continue
-                self._wake.wait(self._idle_timeout())
+            if not did_work:
+                self._sleep(self._idle_timeout())
+
+    def _sleep(self, timeout: float | None) -> None:
+        """Wait for a signal (submit, cancel, close, a dropped handle) or the timeout. A signal that
+        arrived after the last ingress is already queued, so no wake-up is lost; the one taken here is
+        put back for the next boundary's ingress to handle."""
+        try:
+            signal = self._signals.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._signals.put(signal)
 
     def _idle_timeout(self) -> float | None:
         """How long the idle worker may sleep: until a queue deadline, or briefly to poll a transition."""
@@ -274,9 +305,10 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        """No request anywhere in the worker or its ingress."""
+        """No request anywhere in the worker or its ingress, and no signal (e.g. a dropped handle)
+        waiting for the next boundary."""
         with self._lock:
-            return not self._live and not self._ingress
+            return not self._live and not self._ingress and self._signals.empty()
 
     def _boundary(self) -> bool:
         did = self._ingest(self._clock())
@@ -295,15 +327,17 @@ class EngineCore:
 
     # ---- 1. ingress, waiting timeouts and cancellations ----
     def _ingest(self, now: float) -> bool:
+        # signals first: a submission racing with this boundary then leaves its signal queued, and the
+        # worker cannot sleep past it
+        did = self.settle_dropped_handles()
         with self._lock:
             arrived = list(self._ingress)
             self._ingress.clear()
-            self._wake_pending = False
         for record in arrived:
             self._live[record.request_id] = record
             self._scheduler.enqueue(record)
             self._admission.invalidate()
-        did = bool(arrived)
+        did |= bool(arrived)
         for record in self._scheduler.waiting:
             if record.channel.cancel_requested:
                 self._scheduler.take(record)
@@ -434,7 +468,13 @@ class EngineCore:
         borrower = self._scheduler.behind_head()
         if borrower is None or not self._admission.can_backfill:
             return False
-        donors = [r.handle for r in self._laned.values() if r.handle is not None]
+        # the donor set recorded when the head was blocked, less those that already ended: a borrower
+        # admitted since then is no donor, its reservation stays held while the head waits
+        donors: list[SequenceHandle] = []
+        for request_id in sorted(self._scheduler.donors):
+            donor = self._laned.get(request_id)
+            if donor is not None and donor.state in ACTIVE_STATES and donor.handle is not None:
+                donors.append(donor.handle)
         proof = self._admission.prove_backfill(head.plan, donors, borrower.plan)
         if proof is None:
             return False
@@ -492,17 +532,28 @@ class EngineCore:
         return record.handle
 
     def _commit_unit(self, batch: PendingBatch, members: tuple[RequestRecord, ...]) -> None:
-        """Preview -> Program commit -> terminal resources -> budget -> OutputSession commit -> publish."""
+        """Preview -> Program commit -> terminal resources -> budget -> OutputSession commit -> publish.
+
+        An exception from one row's OutputSession ends only that request (``RequestFailed``): in
+        preview it becomes a cancelled row, so the batch is still consumed whole by one commit."""
         previews: list[OutputPreviewLike | None] = []
         decisions: list[RowDecision] = []
         reasons: list[FinishReason | None] = []
+        errors: list[RequestFailed | None] = []
         for row, record in zip(batch.rows, members):
-            if record.channel.cancel_requested:  # observed while the unit ran: a cancelled row
-                previews.append(None)
+            preview: OutputPreviewLike | None = None
+            error: RequestFailed | None = None
+            if not record.channel.cancel_requested:  # else observed while the unit ran: a cancelled row
+                try:
+                    preview = record.session.preview(row.tokens)
+                except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
+                    error = self._output_error(record, "preview", exc)
+            previews.append(preview)
+            errors.append(error)
+            if preview is None:
                 decisions.append(RowDecision(row.handle, 0, terminal=True, cancelled=True))
-                reasons.append("cancelled")
+                reasons.append("error" if error is not None else "cancelled")
                 continue
-            preview = record.session.preview(row.tokens)
             accepted = preview.accepted
             if not 1 <= accepted <= row.produced or (accepted < row.produced and not preview.stop):
                 raise EngineInvariantError(
@@ -517,7 +568,6 @@ class EngineCore:
                 reason = "stop"
             elif record.generated + accepted >= record.max_new_tokens:
                 reason = "length"
-            previews.append(preview)
             decisions.append(RowDecision(row.handle, accepted, terminal=reason is not None))
             reasons.append(reason)
         validate_decisions(batch, decisions)
@@ -546,49 +596,73 @@ class EngineCore:
                 record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY
 
         # OutputSession commits, then publication
-        for row, record, decision, preview, reason in zip(batch.rows, members, decisions, previews, reasons):
+        for row, record, decision, preview, reason, error in zip(
+            batch.rows, members, decisions, previews, reasons, errors
+        ):
             if preview is not None:
-                out = record.session.commit(preview)
-                record.output_touched = True
-                accepted = decision.accepted_tokens
-                logprobs = None
-                if record.plan.logprobs.enabled:
-                    logprobs = tuple(
-                        row.logprobs[:accepted]
-                        if row.logprobs is not None
-                        else (TokenLogprob(t, 0.0) for t in row.tokens[:accepted])  # forced: not sampled
-                    )
-                delta = GenerationDelta(
-                    request_id=record.request_id,
-                    text=out.text,
-                    reasoning_text=out.reasoning_text,
-                    tool_calls=tuple(
-                        ToolCallDelta(tc.index, tc.id, tc.name, tc.arguments) for tc in out.tool_calls
-                    ),
-                    token_ids=tuple(row.tokens[:accepted]),
-                    logprobs=logprobs,
-                )
-                record.record_delta(delta)
-                record.channel.publish(delta)
+                try:
+                    out = record.session.commit(preview)
+                except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
+                    error = self._output_error(record, "commit", exc)
+                    if reason is None:  # still Active: end it now (the batch is consumed, release is legal)
+                        self._enter_terminal(record, "error")
+                        self._release(record)
+                    reason = "error"
+                else:
+                    record.output_touched = True
+                    accepted = decision.accepted_tokens
+                    logprobs = None
+                    if record.plan.logprobs.enabled:
+                        logprobs = tuple(
+                            row.logprobs[:accepted]
+                            if row.logprobs is not None
+                            else (TokenLogprob(t, 0.0) for t in row.tokens[:accepted])  # forced: not sampled
+                        )
+                    self._publish_delta(record, out, tuple(row.tokens[:accepted]), logprobs)
             if reason is not None:
-                self._finish(record, reason)
+                self._finish(record, reason, error)
+
+    def _output_error(self, record: RequestRecord, call: str, exc: Exception) -> RequestFailed:
+        """The error result of a request whose OutputSession raised (logged with its traceback)."""
+        log.exception("request %d: OutputSession.%s failed; only this request ends", record.request_id, call)
+        return RequestFailed(
+            f"request {record.request_id} failed while forming its output: OutputSession.{call} raised "
+            f"{type(exc).__name__}: {exc}. This is a bug in the package's output handling (e.g. its "
+            "tool-call or reasoning parser), not in the request; other requests are unaffected. Retry, or "
+            "send the request without tools, and report the bug with this message"
+        )
+
+    def _publish_delta(
+        self,
+        record: RequestRecord,
+        out: OutputDeltaLike,
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> None:
+        """Turn an OutputSession delta into a public ``GenerationDelta``, fold it into the aggregate
+        result and publish it."""
+        delta = GenerationDelta(
+            request_id=record.request_id,
+            text=out.text,
+            reasoning_text=out.reasoning_text,
+            tool_calls=tuple(ToolCallDelta(tc.index, tc.id, tc.name, tc.arguments) for tc in out.tool_calls),
+            token_ids=token_ids,
+            logprobs=logprobs,
+        )
+        record.record_delta(delta)
+        record.channel.publish(delta)
 
     # ---- completion ----
     def _finish(self, record: RequestRecord, reason: FinishReason, error: NInferError | None = None) -> None:
         """Complete the response: flush held-back output (not on error), publish the one result."""
         if reason != "error" and record.output_touched:
-            tail = record.session.finish()
-            if tail.text or tail.reasoning_text or tail.tool_calls:
-                delta = GenerationDelta(
-                    request_id=record.request_id,
-                    text=tail.text,
-                    reasoning_text=tail.reasoning_text,
-                    tool_calls=tuple(
-                        ToolCallDelta(tc.index, tc.id, tc.name, tc.arguments) for tc in tail.tool_calls
-                    ),
-                )
-                record.record_delta(delta)
-                record.channel.publish(delta)
+            try:
+                tail = record.session.finish()
+            except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
+                reason, error = "error", self._output_error(record, "finish", exc)
+            else:
+                if tail.text or tail.reasoning_text or tail.tool_calls:
+                    self._publish_delta(record, tail)
         record.finish_reason = reason
         record.error = error
         record.state = RequestState.FINISHED
@@ -607,7 +681,6 @@ class EngineCore:
             self._availability = Availability("failed", reason)
             arrived = list(self._ingress)
             self._ingress.clear()
-            self._wake.notify_all()
         for record in arrived:
             self._live[record.request_id] = record
 

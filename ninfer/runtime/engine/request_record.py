@@ -3,6 +3,11 @@
 The record is touched only by the Engine worker. The channel is the one object consumer threads share
 with the worker: an event queue, the cancellation flag and the two facts that release outstanding
 capacity (``response_done`` and ``consumer_released``), each guarded by the channel's lock.
+
+A handle collected by the garbage collector may be finalized on any thread at any allocation, also
+inside a ``with`` block of one of these locks, and none of them is reentrant. So the finalizer only
+puts the request id on the Engine's ``SimpleQueue`` of worker signals (``signal_dropped``); the worker
+performs the consumer release at its next boundary.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -51,19 +57,22 @@ class ResponseChannel:
     """Thread-shared side of one request: events out, cancellation in, capacity release exactly once.
 
     ``release_capacity`` fires once, on whichever thread sets the second of ``response_done`` and
-    ``consumer_released``. Consumers never reach the Program through this object: ``cancel`` and
-    ``abandon`` only set flags and wake the worker.
+    ``consumer_released`` (never inside a finalizer: see ``signal_dropped``). Consumers never reach the
+    Program through this object: ``cancel`` and ``abandon`` only set flags and wake the worker.
+
+    ``signals`` is the worker's wake-up queue: ``None`` wakes it, a request id says that request's
+    handle was dropped.
     """
 
     def __init__(
         self,
         request_id: int,
         release_capacity: Callable[[int], None],
-        wake_worker: Callable[[], None],
+        signals: queue.SimpleQueue[int | None],
     ) -> None:
         self.request_id = request_id
         self._release_capacity = release_capacity
-        self._wake_worker = wake_worker
+        self._signals = signals
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._events: deque[GenerationEvent] = deque()
@@ -114,18 +123,26 @@ class ResponseChannel:
             if self._response_done:
                 return
             self._cancel_requested = True
-        self._wake_worker()
+        self._signals.put(None)
 
-    def abandon(self) -> None:
-        """The consumer let go (handle dropped or closed): cancel if still running, and release."""
+    def abandon(self, *, wake_worker: bool = True) -> None:
+        """The consumer let go (handle closed, or dropped and signalled): cancel if still running, and
+        release. Takes locks: call it from ordinary code only, never from a finalizer."""
         with self._lock:
             if not self._response_done:
                 self._cancel_requested = True
             self._consumer_released = True
             release = self._take_capacity_locked()
-        self._wake_worker()
+        if wake_worker:
+            self._signals.put(None)
         if release:
             self._release_capacity(self.request_id)
+
+    def signal_dropped(self) -> None:
+        """The handle was garbage-collected. Runs as a weakref callback, possibly on a thread that holds
+        the Engine's or this channel's lock, so it takes no lock: ``SimpleQueue.put`` is safe there. The
+        worker calls ``abandon`` for this request at its next boundary."""
+        self._signals.put(self.request_id)
 
     def get(self, timeout: float | None = None) -> GenerationEvent | None:
         """Next event, blocking; ``None`` once the terminal result was taken. Raises TimeoutError."""
