@@ -188,6 +188,9 @@ def test_load_model_view_from_artifact(tmp_path: pytest.TempPathFactory) -> None
     assert package.name == package_name
     for spec in weight_schema(package.variant):
         loaded, original = view.tensors[spec.name], source.tensors[spec.name]
+        if spec.group != "text":  # MTP and vision stay in host memory, as stored, until a forward reads them
+            assert loaded.dtype == original.dtype and loaded.device.type == "cpu", spec.name
+            continue
         assert loaded.dtype == (torch.float32 if spec.keep_fp32 else torch.bfloat16), spec.name
         assert torch.equal(loaded, original.to(loaded.dtype)), spec.name
 
