@@ -7,8 +7,9 @@ freely. The Engine itself (``ninfer.Engine``) and ``GenerationHandle`` live in `
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from ninfer.runtime.contract.types import TokenLogprob
@@ -23,6 +24,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "GenerationStart",
+    "NEUTRAL_SAMPLING",
     "NInferError",
     "RejectKind",
     "RequestRejected",
@@ -30,12 +32,26 @@ __all__ = [
     "TokenLogprob",
     "ToolCallDelta",
     "Usage",
+    "resolve_sampling",
 ]
 
 Purpose = Literal["generation", "causal_scoring"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_CONCURRENCY_LIMIT = 8
 MAX_TOP_LOGPROBS = 20
+# the neutral (OpenAI) value of each sampling field that neither the request nor the model's generation
+# config sets: no temperature scaling, no truncation, no penalty
+NEUTRAL_SAMPLING: Mapping[str, float | int] = MappingProxyType(
+    {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,7 +133,9 @@ class GenerationRequest:
 
     ``max_tokens=None`` allows generation up to the context limit. Sampling follows vLLM/OpenAI
     conventions: ``temperature=0`` is greedy, ``top_k`` 0 or -1 disables top-k, ``seed=None`` draws a
-    fresh seed. ``stop``/``stop_token_ids`` end generation (the stop string is not included in the text
+    fresh seed. A sampling field left ``None`` takes the model's default, resolved by the Engine (see
+    ``resolve_sampling``): the generation config's value, else the neutral one in ``NEUTRAL_SAMPLING``.
+    ``stop``/``stop_token_ids`` end generation (the stop string is not included in the text
     unless ``include_stop_str_in_output``); ``ignore_eos`` keeps going past end-of-sequence tokens.
     ``logprobs`` adds the chosen token's logprob, ``top_logprobs`` (0..20) that many alternatives.
     ``thinking_budget`` (>= 1) caps reasoning tokens: the Frontend then forces the end of the thinking
@@ -129,13 +147,13 @@ class GenerationRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] = ()
@@ -165,7 +183,9 @@ class GenerationRequest:
             out.append("tools need messages (a chat request), not a raw prompt")
         if self.max_tokens is not None and self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        out.extend(_sampling_problems(self))
+        out.extend(sampling_problems({name: getattr(self, name) for name in NEUTRAL_SAMPLING}))
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            out.append(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
             if any(not isinstance(s, str) or not s for s in stops):
@@ -194,24 +214,49 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _sampling_problems(r: GenerationRequest) -> list[str]:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# each sampling field's valid values: (test, the rule as the error message states it)
+_SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (0 or -1 = disabled)"),
+    "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    "presence_penalty": (lambda v: _finite(v) and -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: _finite(v) and -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: _finite(v) and v > 0, "> 0 (1 = off)"),
+}
+
+
+def sampling_problems(values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the given sampling values (names as in ``NEUTRAL_SAMPLING``); ``None`` means
+    "the model's default" and is never a problem."""
     out: list[str] = []
-    if not _finite(r.temperature) or r.temperature < 0:
-        out.append(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature}")
-    if not _finite(r.top_p) or not 0 < r.top_p <= 1:
-        out.append(f"top_p must be in (0, 1], got {r.top_p}")
-    if not isinstance(r.top_k, int) or r.top_k < -1:
-        out.append(f"top_k must be an integer >= -1 (0 or -1 = disabled), got {r.top_k}")
-    if not _finite(r.min_p) or not 0 <= r.min_p <= 1:
-        out.append(f"min_p must be in [0, 1], got {r.min_p}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(r, name)
-        if not _finite(value) or not -2 <= value <= 2:
-            out.append(f"{name} must be in [-2, 2], got {value}")
-    if not _finite(r.repetition_penalty) or r.repetition_penalty <= 0:
-        out.append(f"repetition_penalty must be > 0 (1 = off), got {r.repetition_penalty}")
-    if r.seed is not None and (not isinstance(r.seed, int) or not 0 <= r.seed < 2**63):
-        out.append(f"seed must be an integer in [0, 2**63), got {r.seed}")
+    for name, (valid, rule) in _SAMPLING_RULES.items():
+        value = values.get(name)
+        if value is not None and not valid(value):
+            out.append(f"{name} must be {rule}, got {value}")
+    return out
+
+
+def resolve_sampling(defaults: Mapping[str, Any], **given: float | int | None) -> dict[str, Any]:
+    """Every sampling field (``NEUTRAL_SAMPLING``'s names), resolved the way vLLM does it: the value
+    given (not ``None``), else the model's generation-config default (``defaults``, a Frontend's
+    ``generation_defaults``), else the neutral value. ``do_sample: false`` in the config means greedy
+    (temperature 0) unless a temperature is given, as in transformers' ``generate``."""
+    unknown = sorted(set(given) - set(NEUTRAL_SAMPLING))
+    if unknown:
+        raise TypeError(f"resolve_sampling: unknown sampling fields {unknown}")
+    out: dict[str, Any] = {}
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = given.get(name)
+        if value is None:
+            value = defaults.get(name)
+        out[name] = neutral if value is None else value
+    if given.get("temperature") is None and defaults.get("do_sample") is False:
+        out["temperature"] = 0.0
     return out
 
 

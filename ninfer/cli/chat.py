@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -32,17 +31,6 @@ if TYPE_CHECKING:  # the CLI imports the Engine lazily, so `ninfer --help` stays
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 PROMPT, CONTINUATION = ">>> ", "... "
 TRIPLE_QUOTE = '"""'
-
-# a sampling field the command line and the model's generation config both leave out takes OpenAI's value
-SAMPLING_FALLBACKS: dict[str, float | int] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 HELP = """commands:
   /exit, /quit      leave the chat (Ctrl-D or end of input does too)
@@ -78,25 +66,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def sampling_options(args: argparse.Namespace, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Sampling fields of every turn's request: the flag, else the model's generation config, else
-    OpenAI's default (as ``ninfer generate`` and ``ninfer serve`` do)."""
-    flags = {
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampling fields of every turn's request, as the command line gives them: a flag left out stays
+    ``None`` and the Engine takes the model's generation-config default (as for ``ninfer generate`` and
+    ``ninfer serve``)."""
+    return {
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
         "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
     }
-    out: dict[str, Any] = {}
-    for name, fallback in SAMPLING_FALLBACKS.items():
-        value = flags.get(name)
-        out[name] = value if value is not None else defaults.get(name, fallback)
-    if args.temperature is None and defaults.get("do_sample") is False:
-        out["temperature"] = 0.0  # the model asks for greedy decoding
-    out["seed"] = args.seed
-    out["max_tokens"] = args.max_tokens
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,7 +239,7 @@ class ChatSession:
         self.engine = engine
         self.interactive = interactive
         self.conversation = Conversation(system=args.system, enable_thinking=not args.no_think)
-        self.sampling = sampling_options(args, engine.frontend.generation_defaults)
+        self.sampling = sampling_options(args)
         self.verbose = args.verbose
         self.terminal_out = sys.stdout.isatty()
 

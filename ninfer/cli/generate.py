@@ -1,7 +1,8 @@
 """`ninfer generate [ARTIFACT] PROMPT`: one request through the public Engine, streamed to the terminal.
 
-Without an artifact the bundled demo model runs. Sampling settings the command line leaves out come from
-the model's generation config (temperature, top-p, top-k, min-p, repetition penalty), as in vLLM.
+Without an artifact the bundled demo model runs. Sampling settings the command line leaves out are left to
+the Engine, which takes them from the model's generation config (as vLLM does, and as `ninfer serve` and
+`ninfer chat` do).
 
 The prompt goes through the package's chat template as one user message (thinking on unless
 `--no-think`); `--raw` sends it as plain text instead. Reasoning text is printed dimmed when stdout is
@@ -44,19 +45,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_request(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+def build_request(args: argparse.Namespace) -> Any:
+    """The request as the command line gives it: sampling flags left out stay ``None`` (model default)."""
     from ninfer import GenerationRequest
-
-    def pick(flag: Any, key: str, fallback: Any) -> Any:
-        return flag if flag is not None else defaults.get(key, fallback)
 
     sampling = dict(
         max_tokens=args.max_tokens,
-        temperature=pick(args.temperature, "temperature", 1.0),
-        top_p=pick(args.top_p, "top_p", 1.0),
-        top_k=pick(args.top_k, "top_k", 0),
-        min_p=pick(args.min_p, "min_p", 0.0),
-        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
     )
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     with engine:
         try:
-            request = build_request(args, engine.frontend.generation_defaults)
+            request = build_request(args)
             handle = engine.submit(request)
         except (ValueError, NInferError) as e:
             return fail(str(e))

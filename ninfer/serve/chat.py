@@ -35,7 +35,7 @@ from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, T
 ENDPOINT = "/v1/chat/completions"
 
 
-def generation_request(body: ChatCompletionRequest, defaults: dict[str, Any]) -> GenerationRequest:
+def generation_request(body: ChatCompletionRequest) -> GenerationRequest:
     check_common(body)
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(
@@ -62,7 +62,7 @@ def generation_request(body: ChatCompletionRequest, defaults: dict[str, Any]) ->
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         thinking_budget=body.thinking_budget,
-        **sampling_kwargs(body, defaults),
+        **sampling_kwargs(body),
     )
 
 
@@ -108,7 +108,7 @@ class ChatHandler:
                 "--purpose generation to chat",
                 code="wrong_purpose",
             )
-        run = await gw.submit(generation_request(body, gw.host.frontend.generation_defaults), ENDPOINT)
+        run = await gw.submit(generation_request(body), ENDPOINT)
         meta = {
             "id": f"chatcmpl-{secrets.token_hex(16)}",
             "created": int(time.time()),

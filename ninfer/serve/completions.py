@@ -48,6 +48,7 @@ from ninfer.types import (
     ScoreResult,
     TokenLogprob,
     Usage,
+    resolve_sampling,
 )
 
 ENDPOINT = "/v1/completions"
@@ -132,7 +133,7 @@ class CompletionsHandler:
                 "(max_concurrency + queue_capacity); send at most that many per request",
                 "prompt",
             )
-        sampling = sampling_kwargs(body, self.frontend.generation_defaults)
+        sampling = sampling_kwargs(body)
         top = body.logprobs or 0
         runs: list[EngineRun] = []
 
@@ -368,7 +369,9 @@ class CompletionsHandler:
     def _check_greedy_token(self, body: CompletionRequest) -> None:
         """The appended token is the argmax of the model's distribution: refuse requests that ask for
         something else rather than answer them differently from a generation server."""
-        temperature = sampling_kwargs(body, self.frontend.generation_defaults)["temperature"]
+        # a scoring Engine plans no generation, so resolve the temperature here by the Engine's own rule
+        defaults = self.frontend.generation_defaults
+        temperature = resolve_sampling(defaults, temperature=body.temperature)["temperature"]
         if temperature != 0:
             raise bad_request(
                 "max_tokens: 1 on a causal_scoring server appends the model's greedy next token; send "

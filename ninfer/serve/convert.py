@@ -23,21 +23,11 @@ from ninfer.serve.protocol import (
     ToolDef,
     ToolMessage,
 )
-from ninfer.types import TokenLogprob
+from ninfer.types import NEUTRAL_SAMPLING, TokenLogprob
 
 # keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
 BOOL_TEMPLATE_KWARGS = ("enable_thinking", "preserve_thinking", "add_generation_prompt")
-# OpenAI defaults for what neither the request nor the model's generation_config sets
-OPENAI_SAMPLING_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ServeError:
@@ -49,17 +39,10 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_req
 # ---------------------------------------------------------------------------------------------------
 
 
-def sampling_kwargs(body: SamplingFields, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """GenerationRequest sampling/stop fields: the request's value, else the model's generation_config
-    default (as vLLM does), else OpenAI's default."""
-    out: dict[str, Any] = {}
-    for name, fallback in OPENAI_SAMPLING_DEFAULTS.items():
-        value = getattr(body, name)
-        if value is None:
-            value = defaults.get(name, fallback)
-        out[name] = value
-    if body.temperature is None and defaults.get("do_sample") is False:
-        out["temperature"] = 0.0
+def sampling_kwargs(body: SamplingFields) -> dict[str, Any]:
+    """GenerationRequest sampling/stop fields as the request gives them: a sampling field left out stays
+    ``None``, and the Engine fills it from the model's generation config (as vLLM does)."""
+    out: dict[str, Any] = {name: getattr(body, name) for name in NEUTRAL_SAMPLING}
     out["seed"] = body.seed
     out["stop"] = body.stop
     out["stop_token_ids"] = tuple(body.stop_token_ids or ())

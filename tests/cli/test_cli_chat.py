@@ -29,6 +29,7 @@ from ninfer import (
 from ninfer.cli.chat import DIM, RESET, Conversation, ReplyPrinter, TurnReader
 from ninfer.cli.common import bundled_artifact
 from ninfer.cli.main import main
+from ninfer.runtime.contract.types import RequestPlan
 from ninfer.runtime.engine.engine import GenerationHandle
 from ninfer.targets.open import load_frontend
 
@@ -48,9 +49,10 @@ class Turn:
 
 @dataclass
 class Spy:
-    """Records every request the CLI submits and the handle it got back."""
+    """Records every request the CLI submits, the handle it got back and the Engine's plan for it."""
 
     turns: list[Turn] = field(default_factory=list)
+    plans: list[RequestPlan] = field(default_factory=list)
     interrupt_after_deltas: int | None = None  # raise KeyboardInterrupt mid-stream on the next request
 
 
@@ -92,6 +94,7 @@ class InterruptingHandle:
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     recorded = Spy()
     real_submit = Engine.submit
+    real_plan = Engine._plan
 
     def submit(self: Engine, request: GenerationRequest) -> Any:
         handle = real_submit(self, request)
@@ -101,7 +104,12 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
             return InterruptingHandle(handle, after)
         return handle
 
+    def plan(self: Engine, request: GenerationRequest, prompt: Any) -> RequestPlan:
+        recorded.plans.append(real_plan(self, request, prompt))
+        return recorded.plans[-1]
+
     monkeypatch.setattr(Engine, "submit", submit)
+    monkeypatch.setattr(Engine, "_plan", plan)
     return recorded
 
 
@@ -149,8 +157,12 @@ def test_two_turns_send_the_history_and_stream_both_replies(
     ]
     assert first.request.chat_template_kwargs == {"enable_thinking": True}
     assert first.request.temperature == 0.0 and first.request.max_tokens == 8
-    # defaults the command line left out come from the model's generation config
-    assert first.request.top_k == 20 and first.request.repetition_penalty == 1.1
+    # sampling flags left out reach the Engine as None; it takes the model's generation config defaults
+    assert first.request.top_k is None and first.request.repetition_penalty is None
+    sampling = spy.plans[0].sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (
+        0.0, 20, 0.95, 1.1
+    )
     # the second prompt is the rendered conversation, longer than the first
     frontend = load_frontend(bundled_artifact())
     expected = frontend.prepare_chat(second.request.messages, enable_thinking=True).token_ids

@@ -174,9 +174,11 @@ class OutputSession:
 
 
 class ScriptedFrontend:
-    def __init__(self) -> None:
+    def __init__(self, generation_defaults: Mapping[str, Any] | None = None) -> None:
         self._serials = itertools.count(1)
         self.sessions: dict[int, OutputSession] = {}  # prompt serial -> its session
+        # the model's generation_config sampling defaults (none: every field takes its neutral value)
+        self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
 
     def _prepared(self, ids: Sequence[int], opens_thinking: bool = False) -> PreparedPrompt:
         ids = tuple(ids)

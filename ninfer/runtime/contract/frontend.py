@@ -117,6 +117,10 @@ class OutputSessionLike(Protocol):
 
 @runtime_checkable
 class FrontendLike(Protocol):
+    # the model's sampling defaults from its generation_config.json (``do_sample``, ``temperature``,
+    # ``top_p``, ...; absent keys are absent); the Engine fills the request fields left ``None`` from it
+    generation_defaults: Mapping[str, Any]
+
     def prepare_text(self, text: str) -> PreparedPromptLike: ...
 
     def prepare_tokens(self, token_ids: Sequence[int]) -> PreparedPromptLike: ...

@@ -31,6 +31,7 @@ from ninfer.runtime.engine.request_record import ResponseChannel
 from ninfer.runtime.scoring.core import CausalScoreCore
 from ninfer.types import (
     MAX_TOP_LOGPROBS,
+    NEUTRAL_SAMPLING,
     Availability,
     EngineConfig,
     EngineFailed,
@@ -39,6 +40,8 @@ from ninfer.types import (
     GenerationResult,
     RequestRejected,
     ScoreResult,
+    resolve_sampling,
+    sampling_problems,
 )
 
 WARMUP_PROMPT = "Hello"
@@ -284,19 +287,33 @@ class Engine:
         return RequestPlan(
             prompt_token_ids=tuple(prompt.token_ids),
             max_new_tokens=max_new,
-            sampling=SamplingParams(
-                seed=seed,
-                temperature=float(request.temperature),
-                top_p=float(request.top_p),
-                top_k=max(0, request.top_k),
-                min_p=float(request.min_p),
-                presence_penalty=float(request.presence_penalty),
-                frequency_penalty=float(request.frequency_penalty),
-                repetition_penalty=float(request.repetition_penalty),
-            ),
+            sampling=self._sampling(request, seed),
             logprobs=LogprobParams(enabled=request.logprobs, top_n=request.top_logprobs),
             content_digest=prompt.digest,
             prepared_prompt=prompt,
+        )
+
+    def _sampling(self, request: GenerationRequest, seed: int) -> SamplingParams:
+        """The request's sampling with the fields it left ``None`` taken from the model's generation
+        config (``resolve_sampling``): the one place model defaults are applied, for every gateway."""
+        given = {name: getattr(request, name) for name in NEUTRAL_SAMPLING}
+        resolved = resolve_sampling(self._frontend.generation_defaults, **given)
+        problems = sampling_problems(resolved)  # the request's own values passed problems(): the model's
+        if problems:
+            raise RequestRejected(
+                "invalid_request",
+                f"the model's generation config has invalid sampling defaults ({'; '.join(problems)}); "
+                "give these fields in the request",
+            )
+        return SamplingParams(
+            seed=seed,
+            temperature=float(resolved["temperature"]),
+            top_p=float(resolved["top_p"]),
+            top_k=max(0, resolved["top_k"]),
+            min_p=float(resolved["min_p"]),
+            presence_penalty=float(resolved["presence_penalty"]),
+            frequency_penalty=float(resolved["frequency_penalty"]),
+            repetition_penalty=float(resolved["repetition_penalty"]),
         )
 
     @staticmethod
