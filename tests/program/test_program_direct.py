@@ -124,3 +124,25 @@ def test_forced_tokens_then_decode_equals_model_on_that_text() -> None:
     # the same continuation as greedy decoding of the prompt + first + forced tokens
     assert nxt == hf_generate("qwen3_6_tiny", tuple(p + first + forced), 1)
     program.release(h)
+
+
+def test_forced_tokens_carry_the_models_logprobs() -> None:
+    program = make_program("qwen3_6_tiny", 1)
+    p = prompts(1)[0]
+    plan = program.plan_materialization(
+        RequestPlan(tuple(p), 6, SamplingParams(seed=1, temperature=0.0), LogprobParams(True, 3), "d")
+    )
+    h = program.finish(program.start(plan)).handle
+    first = commit_all(program, program.prefill(h, 64))
+    forced = [11, 22, 33]
+    pending = program.force(h, forced)
+    row = pending.rows[0]
+    with torch.no_grad():
+        logits = hf_causal_lm("qwen3_6_tiny")(input_ids=torch.tensor([p + first + forced])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)[len(p) : len(p) + 3]  # predictions of the forced tokens
+    assert row.logprobs is not None and [lp.token_id for lp in row.logprobs] == forced
+    for i, lp in enumerate(row.logprobs):
+        assert abs(lp.logprob - expected[i, forced[i]].item()) < 1e-4
+        assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
+    program.commit(pending, [RowDecision(h, 3)])
+    program.release(h)

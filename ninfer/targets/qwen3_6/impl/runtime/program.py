@@ -84,6 +84,18 @@ class _Provisional:
     consumed: tuple[int, ...]
 
 
+def _forced_logprobs(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> tuple[TokenLogprob, ...]:
+    """Raw log-probs of forced tokens: ``logits[i]`` is the model's prediction for ``tokens[i]``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(tokens, device=logits.device)
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if top_n:
+        values, top_ids = logprobs.topk(top_n, dim=-1)
+        top = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return tuple(TokenLogprob(token_id=t, logprob=c, top=a) for t, c, a in zip(tokens, chosen, top))
+
+
 class Qwen36Program:
     """The Program for one exact package; generic over its `Variant` (no package branches inside)."""
 
@@ -327,8 +339,11 @@ class Qwen36Program:
         # the model consumes the pending input and every forced token but the last, which becomes the
         # new pending input: exactly the state after sampling those tokens, with no sampler involved
         inputs = (seq.pending_input, *tokens[:-1])
-        self._run([seq], [inputs], write_spare=True, logits="none")
-        row = PendingRow(handle=handle, tokens=tokens, base_frontier=seq.frontier)
+        want = seq.logprobs.enabled
+        logits = self._run([seq], [inputs], write_spare=True, logits="all" if want else "none")
+        # log-probs the model gave the forced tokens (reported like sampled ones; no sampler, no RNG)
+        logprobs = _forced_logprobs(logits, tokens, seq.logprobs.top_n) if want else None
+        row = PendingRow(handle=handle, tokens=tokens, base_frontier=seq.frontier, logprobs=logprobs)
         return self._open(
             PendingBatch(
                 self.owner, next(self._batch_ids), "force", [row], _Provisional("force", (len(inputs),))
