@@ -27,15 +27,14 @@ class AdmissionPolicy:
     def should_attempt(
         self,
         *,
-        has_waiting: bool,
         lane_free: bool,
         transition_in_flight: bool,
         staged_prefill_busy: bool,
         resource_revision: int,
     ) -> bool:
-        """Gates: a waiting head, a free lane, no open global transition, no staged prefill; then only
-        when something relevant changed since the last blocked attempt."""
-        if not has_waiting or not lane_free or transition_in_flight or staged_prefill_busy:
+        """Gates (the caller has a waiting head): a free lane, no open global transition, no staged
+        prefill; then only when something relevant changed since the last blocked attempt."""
+        if not lane_free or transition_in_flight or staged_prefill_busy:
             return False
         if self._blocked_at_revision is not None and resource_revision != self._blocked_at_revision:
             self._dirty = True

@@ -420,7 +420,6 @@ class EngineCore:
     def _try_admit(self) -> bool:
         head = self._scheduler.head()
         if head is None or not self._admission.should_attempt(
-            has_waiting=True,
             lane_free=self._rm.free_lane() is not None,
             transition_in_flight=self._rm.transition is not None,
             staged_prefill_busy=self._scheduler.staged is not None,

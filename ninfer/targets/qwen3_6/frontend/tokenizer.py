@@ -8,7 +8,7 @@ and ``apply_chat_template`` + encode do); no BOS/EOS is ever added.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -42,9 +42,6 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -86,5 +83,3 @@ class TextTokenizer:
             out.append(value)
         return tuple(out)
 
-    def special_map(self) -> Mapping[int, str]:
-        return dict(self._added_text)
