@@ -71,7 +71,10 @@ class OutputSession:
     def __init__(self, prompt: PreparedPrompt, options: OutputOptions) -> None:
         self.prompt = prompt
         self.options = options
-        self.state = _SessionState(thinking_open=options.parse_reasoning and prompt.opens_thinking)
+        parse = options.parse_reasoning
+        self.state = _SessionState(
+            thinking_open=prompt.opens_thinking if parse is None else parse and prompt.opens_thinking
+        )
         self.committed: list[OutputDelta] = []
         self.forced_tokens = 0  # committed tokens that came as forced control
         self.finished = False

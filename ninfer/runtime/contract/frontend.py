@@ -36,8 +36,10 @@ class OutputOptions:
     ignore_eos: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
-    parse_reasoning: bool = False
-    parse_tool_calls: bool = False
+    # None: the Frontend decides from the prepared prompt (its channel and tool semantics); the Engine
+    # never decides them. True/False override for callers that know better (tests, raw tools).
+    parse_reasoning: bool | None = None
+    parse_tool_calls: bool | None = None
     thinking_budget: int | None = None
 
 

@@ -244,7 +244,7 @@ class Engine:
             raise RequestRejected("invalid_request", "; ".join(problems))
         prompt = self._prepare(request)
         plan = self._plan(request, prompt)
-        session = self._frontend.new_output_session(prompt, self._output_options(request, prompt))
+        session = self._frontend.new_output_session(prompt, self._output_options(request))
         return GenerationHandle(self._core.submit(prompt, session, plan))
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> GenerationResult:
@@ -317,16 +317,14 @@ class Engine:
         )
 
     @staticmethod
-    def _output_options(request: GenerationRequest, prompt: PreparedPromptLike) -> OutputOptions:
-        chat = request.messages is not None
+    def _output_options(request: GenerationRequest) -> OutputOptions:
+        """The request's output options; channel and tool-call parsing are the Frontend's to decide."""
         return OutputOptions(
             stop_strings=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             include_stop_str=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
-            parse_reasoning=chat or prompt.opens_thinking,
-            parse_tool_calls=bool(request.tools),
             thinking_budget=request.thinking_budget,
         )
 

@@ -558,8 +558,10 @@ class EngineCore:
                 raise EngineInvariantError(
                     f"Frontend preview accepted {accepted} of {row.produced} tokens (stop={preview.stop})"
                 )
-            if record.plan.logprobs.enabled and batch.kind != "force" and (
-                row.logprobs is None or len(row.logprobs) != row.produced
+            if (
+                record.plan.logprobs.enabled
+                and batch.kind != "force"
+                and (row.logprobs is None or len(row.logprobs) != row.produced)
             ):
                 raise EngineInvariantError("a row of a logprob request lacks one logprob per token")
             reason: FinishReason | None = None

@@ -48,9 +48,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"  # resources and output committed; the response is complete
 
 
-ACTIVE_STATES = frozenset(
-    {RequestState.PREFILL, RequestState.DECODE_READY, RequestState.CONTROL_READY}
-)
+ACTIVE_STATES = frozenset({RequestState.PREFILL, RequestState.DECODE_READY, RequestState.CONTROL_READY})
 
 
 class ResponseChannel:
@@ -147,8 +145,10 @@ class ResponseChannel:
     def get(self, timeout: float | None = None) -> GenerationEvent | None:
         """Next event, blocking; ``None`` once the terminal result was taken. Raises TimeoutError."""
         with self._lock:
-            if not self._events and not self._final_taken and not self._ready.wait_for(
-                lambda: bool(self._events), timeout
+            if (
+                not self._events
+                and not self._final_taken
+                and not self._ready.wait_for(lambda: bool(self._events), timeout)
             ):
                 raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
             event, release = self._pop_locked()
@@ -254,8 +254,10 @@ class RequestRecord:
 
     def result(self) -> GenerationResult:
         assert self.finish_reason is not None
-        logprobs = tuple(self.logprobs) if self.logprobs is not None else (
-            () if self.plan.logprobs.enabled else None
+        logprobs = (
+            tuple(self.logprobs)
+            if self.logprobs is not None
+            else (() if self.plan.logprobs.enabled else None)
         )
         return GenerationResult(
             request_id=self.request_id,

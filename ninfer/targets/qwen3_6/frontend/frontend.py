@@ -131,7 +131,7 @@ class Frontend:
             raise ValueError(
                 "image/video content needs vision preprocessing, which this Frontend does not do yet"
             )
-        return make_prepared_prompt(ids, self.special, tools=tools)
+        return make_prepared_prompt(ids, self.special, tools=tools, chat=True)
 
     # ---- output -------------------------------------------------------------------------------
     def new_output_session(self, prompt: PreparedPrompt, options: OutputOptions | Any) -> OutputSession:

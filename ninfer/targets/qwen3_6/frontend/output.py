@@ -109,8 +109,13 @@ class OutputSession:
         self._thinking_budget: int | None = budget
         self._force_ids = tuple(tokenizer.encode(FORCED_THINK_CLOSE_TEXT))
         stop_strings = tuple(_option(options, "stop_strings"))
-        parse_reasoning = bool(_option(options, "parse_reasoning"))
-        schemas = tool_schemas(getattr(prompt, "tools", None)) if _option(options, "parse_tool_calls") else {}
+        # channel and tool-call semantics are the Frontend's: decided from the prompt unless overridden
+        parse_reasoning = _option(options, "parse_reasoning")
+        if parse_reasoning is None:
+            parse_reasoning = bool(getattr(prompt, "chat", False)) or prompt.opens_thinking
+        parse_tools = _option(options, "parse_tool_calls")
+        tools = getattr(prompt, "tools", None)
+        schemas = tool_schemas(tools) if (bool(tools) if parse_tools is None else parse_tools) else {}
         # markup tokens stay text under skip_special_tokens: the parsers consume them, and unparsed they
         # are part of the raw answer (Qwen3's official tokenizer marks them special: false)
         markup = (tokenizer.token_id(t) for t in TEXT_MARKUP_TOKENS)

@@ -54,6 +54,7 @@ def make_prepared_prompt(
     special: SpecialTokens,
     tools: Sequence[Mapping[str, Any]] | None = None,
     media: Sequence[bytes] = (),
+    chat: bool = False,
 ) -> PreparedPrompt:
     ids = tuple(int(i) for i in token_ids)
     return PreparedPrompt(
@@ -61,4 +62,5 @@ def make_prepared_prompt(
         digest=prompt_digest(ids, media),
         opens_thinking=prompt_opens_thinking(ids, special),
         tools=tuple(copy.deepcopy(dict(t)) for t in tools) if tools else None,
+        chat=chat,
     )

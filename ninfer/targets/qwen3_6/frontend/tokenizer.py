@@ -82,4 +82,3 @@ class TextTokenizer:
                 raise ValueError(f"token id {value} at position {pos} is outside the vocabulary [0, {n})")
             out.append(value)
         return tuple(out)
-

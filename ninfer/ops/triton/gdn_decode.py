@@ -1,0 +1,213 @@
+"""Triton Gated DeltaNet decode/verify step over a state pool (candidate fast path of the GDN recurrence).
+
+Same maths as `ninfer.ops.gated_delta.gdn_gating` followed by `recurrent_gated_delta_rule` with
+`use_qk_l2norm=True`, for B rows of T tokens each (T = 1 for decode, T > 1 for speculative verify):
+
+    g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
+    q, k <- l2norm(q, k) (eps 1e-6),  q <- q * dk^-0.5
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+
+Value head j reads key head j // (nv / nk), so q and k are passed with their nk key heads, unrepeated.
+The gating, the l2norm and the scale are computed in the kernel, so the projection outputs go straight
+in. The state lives in the pool rec [S, nv, dk, dv] fp32: row r reads slot state_in[r] and writes slot
+state_out[r] in place (they may be equal). One program owns one (row, value head, dv block) tile of the
+state for all T tokens, so the state makes exactly one trip through registers per step.
+
+Padding rows (state_in[r] < 0) are skipped: their output is written as zeros and no state is touched.
+A row with state_out[r] < 0 is computed but not persisted. Slots written by one row must not be read or
+written by another row of the same call (the pool is updated in place, with no ordering between rows).
+
+With `intermediate_states` [B, T, nv, dk, dv] fp32 the state after every position is written there and
+the pool is left alone: speculative verify then commits the accepted position's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gdn_decode_step"]
+
+_L2NORM_EPS = 1e-6
+_SOFTPLUS_THRESHOLD = 20.0  # as torch.nn.functional.softplus: linear above it
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    pool_ptr,
+    state_in_ptr,
+    state_out_ptr,
+    scratch_ptr,
+    o_ptr,
+    num_tokens,
+    q_stride_b,
+    q_stride_t,
+    q_stride_h,
+    k_stride_b,
+    k_stride_t,
+    k_stride_h,
+    v_stride_b,
+    v_stride_t,
+    v_stride_h,
+    a_stride_b,
+    a_stride_t,
+    a_stride_h,
+    b_stride_b,
+    b_stride_t,
+    b_stride_h,
+    scale,
+    eps,
+    softplus_threshold,
+    NV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    WRITE_SCRATCH: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    key_head = head // GROUP
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    mask_state = mask_k[:, None] & mask_v[None, :]
+    state_tile = offs_k[:, None] * DV + offs_v[None, :]  # within one head's [dk, dv] state
+
+    o_row = o_ptr + row.to(tl.int64) * num_tokens * NV * DV + head * DV
+    slot_in = tl.load(state_in_ptr + row).to(tl.int64)
+    if slot_in < 0:  # padding row: zero output, no state traffic
+        for t in range(num_tokens):
+            tl.store(o_row + t * NV * DV + offs_v, tl.zeros([BLOCK_V], tl.float32), mask=mask_v)
+    else:
+        state = tl.load(pool_ptr + (slot_in * NV + head) * DK * DV + state_tile, mask=mask_state, other=0.0)
+        decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+        for t in range(num_tokens):
+            q = tl.load(
+                q_ptr + row * q_stride_b + t * q_stride_t + key_head * q_stride_h + offs_k, mask=mask_k, other=0.0
+            ).to(tl.float32)
+            k = tl.load(
+                k_ptr + row * k_stride_b + t * k_stride_t + key_head * k_stride_h + offs_k, mask=mask_k, other=0.0
+            ).to(tl.float32)
+            v = tl.load(
+                v_ptr + row * v_stride_b + t * v_stride_t + head * v_stride_h + offs_v, mask=mask_v, other=0.0
+            ).to(tl.float32)
+            a = tl.load(a_ptr + row * a_stride_b + t * a_stride_t + head * a_stride_h).to(tl.float32)
+            b = tl.load(b_ptr + row * b_stride_b + t * b_stride_t + head * b_stride_h).to(tl.float32)
+
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
+            x = a + dt_bias
+            # stable softplus: max(x, 0) + log(1 + exp(-|x|)); linear above the threshold like torch
+            softplus = tl.where(x > softplus_threshold, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+            g = -decay_rate * softplus
+            beta = tl.sigmoid(b)
+
+            state = state * tl.exp(g)
+            predicted_v = tl.sum(state * k[:, None], axis=0)  # S^T k over this dv block
+            delta = (v - predicted_v) * beta
+            state = state + k[:, None] * delta[None, :]
+            o = tl.sum(state * q[:, None], axis=0)
+            tl.store(o_row + t * NV * DV + offs_v, o, mask=mask_v)
+            if WRITE_SCRATCH:
+                scratch_head = ((row.to(tl.int64) * num_tokens + t) * NV + head) * DK * DV
+                tl.store(scratch_ptr + scratch_head + state_tile, state, mask=mask_state)
+        if not WRITE_SCRATCH:
+            slot_out = tl.load(state_out_ptr + row).to(tl.int64)
+            if slot_out >= 0:
+                tl.store(pool_ptr + (slot_out * NV + head) * DK * DV + state_tile, state, mask=mask_state)
+
+
+def _with_tokens(x: torch.Tensor, per_token_dims: int) -> torch.Tensor:
+    """View a [B, ...] input without a token dim as [B, 1, ...]; require a unit stride on the last dim."""
+    if x.dim() == per_token_dims + 1:
+        x = x.unsqueeze(1)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def gdn_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    rec_pool: torch.Tensor,
+    state_in: torch.Tensor,
+    state_out: torch.Tensor,
+    *,
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """GDN recurrence for B rows of T tokens, state updated in the pool by slot -> o fp32.
+
+    q, k [B, T, nk, dk] (or [B, nk, dk] for T = 1), v [B, T, nv, dv] (or [B, nv, dv]), a, b [B, T, nv]
+    (or [B, nv]) in any float dtype (strided views of the projection outputs are fine as long as the
+    last dim is contiguous); A_log, dt_bias [nv]; rec_pool [S, nv, dk, dv] fp32 contiguous;
+    state_in, state_out [B] integer slots (negative = padding / do not persist).
+    Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
+    With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
+    """
+    squeeze_tokens = q.dim() == 3
+    q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)
+    a, b = _with_tokens(a, 1), _with_tokens(b, 1)
+    batch, num_tokens, nk, dk = q.shape
+    nv, dv = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (batch, num_tokens) or a.shape != (batch, num_tokens, nv):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} a {tuple(a.shape)}")
+    if b.shape != a.shape or nv % nk != 0:
+        raise ValueError(f"b {tuple(b.shape)} vs a {tuple(a.shape)}; nv={nv} must be a multiple of nk={nk}")
+    if rec_pool.dtype != torch.float32 or not rec_pool.is_contiguous() or rec_pool.shape[1:] != (nv, dk, dv):
+        raise ValueError(f"rec_pool must be contiguous fp32 [S, {nv}, {dk}, {dv}], got {tuple(rec_pool.shape)}")
+
+    o_shape = (batch, num_tokens, nv, dv)
+    if out is None:
+        o = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+    else:
+        o = out.view(o_shape)  # raises unless out is a contiguous buffer of the right size
+        if out.dtype != torch.float32:
+            raise ValueError("out must be fp32")
+    if intermediate_states is not None:
+        if intermediate_states.shape != (batch, num_tokens, nv, dk, dv) or not intermediate_states.is_contiguous():
+            raise ValueError(f"intermediate_states must be contiguous [{batch}, {num_tokens}, {nv}, {dk}, {dv}]")
+        if intermediate_states.dtype != torch.float32:
+            raise ValueError("intermediate_states must be fp32")
+    if batch == 0 or num_tokens == 0:
+        return o[:, 0] if squeeze_tokens else o
+
+    block_k = triton.next_power_of_2(dk)
+    block_v = block_v or min(triton.next_power_of_2(dv), 32)
+    scratch = intermediate_states if intermediate_states is not None else rec_pool  # unused when not written
+    grid = (batch, nv, triton.cdiv(dv, block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, rec_pool, state_in, state_out, scratch, o,
+        num_tokens,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        dk**-0.5, _L2NORM_EPS, _SOFTPLUS_THRESHOLD,
+        NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
+        WRITE_SCRATCH=intermediate_states is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return o[:, 0] if squeeze_tokens else o

@@ -1,0 +1,233 @@
+"""Triton paged decode attention, GQA packed, optional split-KV (candidate fast path of the reference
+`ninfer.ops.attention.paged_decode_attention`, same signature and semantics).
+
+One query per row: q [B, nH, D]; K/V pages [P, page_size, nKV, D]; row r's context is the first
+context_lens[r] token slots of its pages block_table[r]. One program handles one (row, kv head, split)
+and all `group = nH / nKV` query heads of that kv head as the rows of one [group, D] tile, so every K/V
+block is read once per kv head and the scores are a matrix product (tensor cores at group 6 or 8,
+padded to 16 rows). The softmax is online, in fp32, over the row's own tokens only: the loop bound is
+read from context_lens on the device, so the cost follows the live length, and there is no host sync
+(CUDA-graph capturable).
+
+Split-KV (`num_splits` > 1) cuts each row's context into equal ranges handled by separate programs
+(decode at small B has too few (row, kv head) pairs to fill the GPU); a second kernel merges their
+partial outputs with their log-sum-exps.
+
+A row with context length 0 (padding) gets a zero output (the reference gives NaN there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_decode_attention", "default_num_splits"]
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_pages_ptr,
+    v_pages_ptr,
+    block_table_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale,
+    q_stride_b,
+    q_stride_h,
+    k_stride_page,
+    k_stride_slot,
+    k_stride_head,
+    v_stride_page,
+    v_stride_slot,
+    v_stride_head,
+    block_table_stride,
+    out_stride_b,
+    out_stride_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + row)
+    # equal ranges per split, rounded up to whole key blocks; trailing splits may be empty
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(context_len, start + split_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + row.to(tl.int64) * block_table_stride
+    for block_start in range(start, end, BLOCK_N):
+        positions = block_start + offs_n
+        mask_n = positions < end
+        pages = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_page = positions % PAGE_SIZE
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        k_offs = pages * k_stride_page + in_page * k_stride_slot + kv_head * k_stride_head
+        k = tl.load(k_pages_ptr + k_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every block holds a live position
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offs = pages * v_stride_page + in_page * v_stride_slot + kv_head * v_stride_head
+        v = tl.load(v_pages_ptr + v_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    live = l_i > 0.0  # false only for an empty range (padding row or an unused trailing split)
+    normed = acc / tl.where(live, l_i, 1.0)[:, None]
+    mask_out = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        out = out_ptr + row * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
+        tl.store(out, normed.to(out_ptr.dtype.element_ty), mask=mask_out)
+    else:
+        partial_row = (row.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :], normed, mask=mask_out)
+        lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + partial_row, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    base = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    live = lse > float("-inf")
+    lse_max = tl.max(tl.where(live, lse, -3.0e38), axis=0)  # finite even when no split is live
+    weights = tl.where(live, tl.exp(lse - lse_max), 0.0)
+    partial = tl.load(
+        partial_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=live[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weights, axis=0)
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    out = out_ptr + row * out_stride_b + head * out_stride_h + offs_d
+    tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Static split count (no host sync): enough programs for about two waves of the GPU's SMs, at most
+    one split per 256 positions of the table's capacity. 1 on CPU. A starting point, to be tuned on the GPU.
+    """
+    if device.type != "cuda":
+        return 1
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sm_count, max(1, batch * num_kv_heads))
+    cap = max(1, triton.cdiv(max_context, 256))
+    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 32))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention over paged K/V -> [B, nH, D] in q's dtype (fp32 softmax and accumulation).
+
+    q [B, nH, D]; k_pages, v_pages [P, page_size, nKV, D] with a contiguous last dim; block_table
+    [B, maxp] int32; context_lens [B] int32 (row r's query is the last of its context_lens[r] positions).
+    `out` may supply the [B, nH, D] output buffer; `num_splits` defaults to `default_num_splits`.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, kv_dim = k_pages.shape
+    if v_pages.shape != k_pages.shape or kv_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} vs pages k {tuple(k_pages.shape)} v {tuple(v_pages.shape)}")
+    if block_table.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(f"block_table {tuple(block_table.shape)} / context_lens {tuple(context_lens.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("K/V pages need a contiguous head dim")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, nH, D] {q.dtype} with a contiguous last dim")
+    if batch == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, block_table.shape[1] * page_size, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs at least 16 rows
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding of scores
+    if num_splits > 1:
+        partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = out  # not touched by the single-split kernel
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            partial_out, partial_lse, out,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
