@@ -40,5 +40,6 @@ def test_moe_experts_gathered_equals_loop() -> None:
     down = torch.randn(e, h, i, generator=g) * 0.2
     weights, ids = moe_route(x, router, k)
     expected = moe_experts(x, weights, ids, gate_up, down).float()
-    torch.testing.assert_close(moe_experts_gathered(x, weights, ids, gate_up, down), expected, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        moe_experts_gathered(x, weights, ids, gate_up, down), expected, rtol=1e-5, atol=1e-5
+    )

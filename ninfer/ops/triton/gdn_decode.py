@@ -30,7 +30,6 @@ import triton.language as tl
 __all__ = ["gdn_decode_step"]
 
 _L2NORM_EPS = 1e-6
-_SOFTPLUS_THRESHOLD = 20.0  # as torch.nn.functional.softplus: linear above it
 
 
 @triton.jit
@@ -65,7 +64,6 @@ def _gdn_decode_kernel(
     b_stride_h,
     scale,
     eps,
-    softplus_threshold,
     NV: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
@@ -97,10 +95,14 @@ def _gdn_decode_kernel(
         dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
         for t in range(num_tokens):
             q = tl.load(
-                q_ptr + row * q_stride_b + t * q_stride_t + key_head * q_stride_h + offs_k, mask=mask_k, other=0.0
+                q_ptr + row * q_stride_b + t * q_stride_t + key_head * q_stride_h + offs_k,
+                mask=mask_k,
+                other=0.0,
             ).to(tl.float32)
             k = tl.load(
-                k_ptr + row * k_stride_b + t * k_stride_t + key_head * k_stride_h + offs_k, mask=mask_k, other=0.0
+                k_ptr + row * k_stride_b + t * k_stride_t + key_head * k_stride_h + offs_k,
+                mask=mask_k,
+                other=0.0,
             ).to(tl.float32)
             v = tl.load(
                 v_ptr + row * v_stride_b + t * v_stride_t + head * v_stride_h + offs_v, mask=mask_v, other=0.0
@@ -111,8 +113,8 @@ def _gdn_decode_kernel(
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
             x = a + dt_bias
-            # stable softplus: max(x, 0) + log(1 + exp(-|x|)); linear above the threshold like torch
-            softplus = tl.where(x > softplus_threshold, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+            # overflow-free softplus; equals torch's (linear above 20) to fp32 rounding for every x
+            softplus = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
             g = -decay_rate * softplus
             beta = tl.sigmoid(b)
 
@@ -172,11 +174,15 @@ def gdn_decode_step(
     batch, num_tokens, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (batch, num_tokens) or a.shape != (batch, num_tokens, nv):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} a {tuple(a.shape)}")
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} a {tuple(a.shape)}"
+        )
     if b.shape != a.shape or nv % nk != 0:
         raise ValueError(f"b {tuple(b.shape)} vs a {tuple(a.shape)}; nv={nv} must be a multiple of nk={nk}")
     if rec_pool.dtype != torch.float32 or not rec_pool.is_contiguous() or rec_pool.shape[1:] != (nv, dk, dv):
-        raise ValueError(f"rec_pool must be contiguous fp32 [S, {nv}, {dk}, {dv}], got {tuple(rec_pool.shape)}")
+        raise ValueError(
+            f"rec_pool must be contiguous fp32 [S, {nv}, {dk}, {dv}], got {tuple(rec_pool.shape)}"
+        )
 
     o_shape = (batch, num_tokens, nv, dv)
     if out is None:
@@ -186,8 +192,13 @@ def gdn_decode_step(
         if out.dtype != torch.float32:
             raise ValueError("out must be fp32")
     if intermediate_states is not None:
-        if intermediate_states.shape != (batch, num_tokens, nv, dk, dv) or not intermediate_states.is_contiguous():
-            raise ValueError(f"intermediate_states must be contiguous [{batch}, {num_tokens}, {nv}, {dk}, {dv}]")
+        if (
+            intermediate_states.shape != (batch, num_tokens, nv, dk, dv)
+            or not intermediate_states.is_contiguous()
+        ):
+            raise ValueError(
+                f"intermediate_states must be contiguous [{batch}, {num_tokens}, {nv}, {dk}, {dv}]"
+            )
         if intermediate_states.dtype != torch.float32:
             raise ValueError("intermediate_states must be fp32")
     if batch == 0 or num_tokens == 0:
@@ -205,7 +216,7 @@ def gdn_decode_step(
         v.stride(0), v.stride(1), v.stride(2),
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
-        dk**-0.5, _L2NORM_EPS, _SOFTPLUS_THRESHOLD,
+        dk**-0.5, _L2NORM_EPS,
         NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
         WRITE_SCRATCH=intermediate_states is not None,
         num_warps=num_warps,

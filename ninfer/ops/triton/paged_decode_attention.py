@@ -206,7 +206,9 @@ def paged_decode_attention(
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs at least 16 rows
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding of scores
     if num_splits > 1:
-        partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_out = torch.empty(
+            batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
         partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = out  # not touched by the single-split kernel

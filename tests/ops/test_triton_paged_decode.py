@@ -1,0 +1,212 @@
+"""Triton paged decode attention (`ninfer.ops.triton.paged_decode_attention`) against the reference
+`ninfer.ops.attention.paged_decode_attention`.
+
+CPU tests run the kernel in the Triton interpreter through a private copy of the module (TRITON_INTERPRET
+is set only while that copy is loaded and run). `gpu` tests run the compiled kernel at D = 256 with the
+27B (24:4) and 35B-A3B (16:2) head ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+from ninfer.ops.attention import paged_decode_attention as reference_paged_decode_attention
+from ninfer.ops.attention import split_q_gate
+
+torch.set_num_threads(1)
+
+
+# The interpreter tests run in a child Python that has TRITON_INTERPRET=1 from its start: once another
+# test module has imported transformers (which loads triton), kernels created later in the same process
+# cannot be interpreted reliably. The parent runs the child once and the gpu tests itself.
+_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_interpreter_suite_in_a_fresh_process() -> None:
+    if _CHILD:
+        pytest.skip("this is the interpreter child")
+    pytest.importorskip("triton")
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not gpu",
+            __file__,
+        ],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and " failed" not in child.stdout, child.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> ModuleType:
+    if not _CHILD:
+        pytest.skip("runs in the interpreter child (test_interpreter_suite_in_a_fresh_process)")
+    from ninfer.ops.triton._interpret import load_interpreted
+
+    return load_interpreted("ninfer.ops.triton.paged_decode_attention")
+
+
+@pytest.fixture
+def kernels(interpreted: ModuleType) -> Iterator[ModuleType]:
+    from ninfer.ops.triton._interpret import interpreter_env
+
+    with interpreter_env():
+        yield interpreted
+
+
+def _paged_inputs(
+    context_lens: list[int], n_heads: int, n_kv: int, head_dim: int, page_size: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Random q (a strided view of a q_proj output, as the model passes it), shuffled pages, int32 tables.
+
+    Every row gets its own pages, in random order, plus spare table entries pointing at random pages.
+    """
+    batch = len(context_lens)
+    max_pages = max(-(-n // page_size) for n in context_lens) + 1
+    num_pages = batch * max_pages + 3
+    q_proj = torch.randn(batch, n_heads * 2 * head_dim, generator=gen)
+    q, _ = split_q_gate(q_proj, n_heads, head_dim)
+    return {
+        "q": q,
+        "k_pages": torch.randn(num_pages, page_size, n_kv, head_dim, generator=gen),
+        "v_pages": torch.randn(num_pages, page_size, n_kv, head_dim, generator=gen),
+        "block_table": torch.randperm(num_pages, generator=gen)[: batch * max_pages]
+        .view(batch, max_pages)
+        .to(torch.int32),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+    }
+
+
+def _poison_unused_positions(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy of the inputs with NaN in every K/V slot outside the rows' contexts: a kernel that reads past
+    a row's length (or a page outside its table prefix) turns its output into NaN."""
+    page_size = x["k_pages"].shape[1]
+    live = torch.zeros(x["k_pages"].shape[:2], dtype=torch.bool)
+    for row, length in enumerate(x["context_lens"].tolist()):
+        for pos in range(length):
+            live[x["block_table"][row, pos // page_size], pos % page_size] = True
+    poisoned = dict(x)
+    for name in ("k_pages", "v_pages"):
+        poisoned[name] = x[name].masked_fill(~live[:, :, None, None], float("nan"))
+    return poisoned
+
+
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "head_dim"),
+    [(12, 2, 32), (8, 1, 64), (6, 1, 32)],
+    ids=["gqa6-d32", "gqa8-d64", "gqa6-kv1"],
+)
+@pytest.mark.parametrize(
+    ("num_splits", "block_n"), [(1, 8), (3, 8), (2, 16)], ids=["1split", "3splits", "2splits"]
+)
+def test_paged_decode_matches_reference(
+    kernels: ModuleType, n_heads: int, n_kv: int, head_dim: int, num_splits: int, block_n: int
+) -> None:
+    gen = torch.Generator().manual_seed(n_heads * 100 + head_dim + num_splits)
+    context_lens = [1, 23, 10]  # page size 4 divides none of them
+    x = _paged_inputs(context_lens, n_heads, n_kv, head_dim, 4, gen)
+    scale = head_dim**-0.5
+    expected = reference_paged_decode_attention(**x, scale=scale)
+    out = torch.full_like(expected, float("nan"))
+
+    got = kernels.paged_decode_attention(
+        **_poison_unused_positions(x), scale=scale, out=out, num_splits=num_splits, block_n=block_n
+    )
+
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_paged_decode_empty_splits_and_padding_row(kernels: ModuleType) -> None:
+    """More splits than a short row has key blocks, and a padding row of length 0 (zeros out)."""
+    gen = torch.Generator().manual_seed(5)
+    x = _paged_inputs([2, 0, 13, 5], 8, 1, 32, 4, gen)
+    scale = 0.3
+    live = [0, 2, 3]
+    expected = reference_paged_decode_attention(
+        **{
+            **x,
+            "q": x["q"][live],
+            "block_table": x["block_table"][live],
+            "context_lens": x["context_lens"][live],
+        },
+        scale=scale,
+    )
+    out = torch.full((4, 8, 32), float("nan"))
+
+    got = kernels.paged_decode_attention(**x, scale=scale, out=out, num_splits=4, block_n=4)
+
+    torch.testing.assert_close(got[live], expected, **CLOSE)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_paged_decode_allocates_output_in_q_dtype(kernels: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = _paged_inputs([7, 3], 6, 1, 32, 4, gen)
+    got = kernels.paged_decode_attention(**x, scale=0.2)
+    assert got.shape == x["q"].shape and got.dtype == x["q"].dtype and got.is_contiguous()
+    torch.testing.assert_close(got, reference_paged_decode_attention(**x, scale=0.2), **CLOSE)
+
+
+# ---- GPU, real shapes ----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(24, 4), (16, 2)], ids=["27b-24:4", "35b-16:2"])
+@pytest.mark.parametrize(
+    "context_lens", [[1], [2049, 1, 4100], [4100, 17, 64, 1000, 3, 2500, 4099, 640]], ids=["B1", "B3", "B8"]
+)
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["default-splits", "1split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_paged_decode_cuda_real_shapes(
+    n_heads: int, n_kv: int, context_lens: list[int], num_splits: int | None, dtype: torch.dtype
+) -> None:
+    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(len(context_lens) * 10 + n_heads)
+    head_dim, page_size = 256, 64
+    x = {k: t.cuda() for k, t in _paged_inputs(context_lens, n_heads, n_kv, head_dim, page_size, gen).items()}
+    for name in ("q", "k_pages", "v_pages"):
+        x[name] = x[name].to(dtype)
+    scale = head_dim**-0.5
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:  # the fp32 oracle on the same (rounded) values, no TF32
+        expected = reference_paged_decode_attention(
+            **{**x, "q": x["q"].float(), "k_pages": x["k_pages"].float(), "v_pages": x["v_pages"].float()},
+            scale=scale,
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    out = torch.full_like(x["q"], float("nan"))
+
+    got = paged_decode_attention(**x, scale=scale, out=out, num_splits=num_splits)
+
+    close = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else CLOSE
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected, **close)
