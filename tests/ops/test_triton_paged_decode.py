@@ -8,14 +8,11 @@ is set only while that copy is loaded and run). `gpu` tests run the compiled ker
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
+from triton_interpreter import interpreted_kernels, run_interpreter_child
 
 from ninfer.ops.attention import paged_decode_attention as reference_paged_decode_attention
 from ninfer.ops.attention import split_q_gate
@@ -23,54 +20,13 @@ from ninfer.ops.attention import split_q_gate
 torch.set_num_threads(1)
 
 
-# The interpreter tests run in a child Python that has TRITON_INTERPRET=1 from its start: once another
-# test module has imported transformers (which loads triton), kernels created later in the same process
-# cannot be interpreted reliably. The parent runs the child once and the gpu tests itself.
-_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def test_interpreter_suite_in_a_fresh_process() -> None:
-    if _CHILD:
-        pytest.skip("this is the interpreter child")
-    pytest.importorskip("triton")
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "not gpu",
-            __file__,
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and " failed" not in child.stdout, child.stdout[-2000:]
+    run_interpreter_child(__file__)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> ModuleType:
-    if not _CHILD:
-        pytest.skip("runs in the interpreter child (test_interpreter_suite_in_a_fresh_process)")
-    from ninfer.ops.triton._interpret import load_interpreted
-
-    return load_interpreted("ninfer.ops.triton.paged_decode_attention")
-
-
-@pytest.fixture
-def kernels(interpreted: ModuleType) -> Iterator[ModuleType]:
-    from ninfer.ops.triton._interpret import interpreter_env
-
-    with interpreter_env():
-        yield interpreted
+def kernels() -> ModuleType:
+    return interpreted_kernels("ninfer.ops.triton.paged_decode_attention")
 
 
 def _paged_inputs(
