@@ -203,6 +203,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """Any penalty away from neutral: the sampler needs the prompt mask and output counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
         if not _is_number(self.temperature) or self.temperature < 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -231,22 +231,8 @@ class Qwen36Program:
     def finish(self, txn: RunningTransaction) -> ResourceResult:
         self._check_txn(txn)
         request, index, slots, pages = txn.sealed
-        sampling = request.sampling
-        ops_params = OpsSamplingParams(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            seed=sampling.seed,
-        )
-        penalised = (
-            sampling.repetition_penalty != 1.0
-            or sampling.presence_penalty != 0.0
-            or sampling.frequency_penalty != 0.0
-        )
+        sampling = request.sampling  # the contract's value has exactly the sampler's fields
+        ops_params = OpsSamplingParams(**{f.name: getattr(sampling, f.name) for f in fields(sampling)})
         self._generations[index] += 1
         handle = SequenceHandle(owner=self.owner, index=index, generation=self._generations[index])
         self._sequences[index] = SequenceState(
@@ -256,14 +242,13 @@ class Qwen36Program:
             sampling=ops_params,
             seed=sampling.seed,
             logprobs=request.logprobs,
-            penalised=penalised,
             slot=slots[0],
             spare=slots[1],
             pages=pages,
         )
         self._block_tables[index].zero_()
         self._block_tables[index, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        if penalised:
+        if ops_params.penalised:
             self._prompt_mask[index].zero_()
             self._prompt_mask[index, torch.tensor(request.prompt_token_ids, device=self.config.device)] = True
             self._output_counts[index].zero_()

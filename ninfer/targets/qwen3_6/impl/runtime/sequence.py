@@ -21,7 +21,6 @@ class SequenceState:
     sampling: OpsSamplingParams
     seed: int
     logprobs: LogprobParams
-    penalised: bool  # any penalty away from neutral: keep prompt mask and output counts
     slot: int  # StateImage slot holding the committed GDN state
     spare: int  # StateImage slot the next unit writes into (slot flip on commit)
     pages: list[int]  # KV pages mapped for the whole reservation, in position order
@@ -32,6 +31,11 @@ class SequenceState:
     @property
     def prompt_remaining(self) -> int:
         return len(self.prompt) - self.frontier if self.frontier < len(self.prompt) else 0
+
+    @property
+    def penalised(self) -> bool:
+        """The sampler needs this sequence's prompt mask and output counts."""
+        return self.sampling.penalised
 
     def flip_slots(self) -> None:
         self.slot, self.spare = self.spare, self.slot
