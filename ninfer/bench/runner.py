@@ -187,4 +187,3 @@ def build_report(
         },
         assumptions=assumptions,
     )
-

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ import torch
 
 from ninfer.cli.common import BUNDLED_PACKAGE, bundled_artifact
 from ninfer.runtime.engine.engine import Engine
-from ninfer.targets.open import load_frontend, open_target, resolve_device, resolve_dtype
+from ninfer.targets.open import build_program, load_frontend, open_target, resolve_device, resolve_dtype
 from ninfer.targets.package import STORAGE_PROFILES, Package
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
 from ninfer.targets.qwen3_6.variant import SpecialTokens
@@ -91,36 +90,19 @@ def synthetic_frontend(package: Package) -> Frontend:
 
 def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> StartedEngine:
     from ninfer.targets.qwen3_6.binder import random_model_view
-    from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
 
     package = get_package(package_name)
     variant = package.variant
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, SYNTHETIC_STORAGE, device)
     max_context = config.max_context or variant.max_position_embeddings
-    if max_context > variant.max_position_embeddings:
-        raise ValueError(
-            f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
-        )
     t0 = time.perf_counter()
     view = random_model_view(variant, seed=seed, dtype=dtype, device=device)
     _sync(device)
     t1 = time.perf_counter()
     frontend = synthetic_frontend(package)
     t2 = time.perf_counter()
-    program = Qwen36Program(
-        variant,
-        view,
-        ProgramConfig(
-            max_concurrency=config.max_concurrency,
-            max_context=max_context,
-            page_size=config.page_size,
-            kv_pages=math.ceil(max_context / config.page_size) * config.max_concurrency,
-            device=device,
-            dtype=dtype,
-            cuda_graphs=config.cuda_graphs,
-        ),
-    )
+    program = build_program(variant, view, config, max_context, device, dtype)
     _sync(device)
     t3 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=package.name)

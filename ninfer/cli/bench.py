@@ -51,25 +51,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         "artifact", nargs="?", metavar="ARTIFACT", help="a .ninfer file (default: the bundled demo model)"
     )
     p.add_argument(
-        "--synthetic", metavar="PACKAGE", default=None,
+        "--synthetic",
+        metavar="PACKAGE",
+        default=None,
         help="random weights of this registered package's exact dims, made on the device (no artifact)",
     )
     p.add_argument("--batch", type=batch_list, default=DEFAULT_BATCHES, help="batch sizes B (1,2,4,8)")
     p.add_argument("--context", type=positive_int, default=2048, help="prompt tokens per decode request")
     p.add_argument("--decode-steps", type=positive_int, default=64, help="timed decode rounds per B")
     p.add_argument(
-        "--prefill-tokens", type=positive_int, default=None,
+        "--prefill-tokens",
+        type=positive_int,
+        default=None,
         help=f"prompt tokens of the prefill/TTFT request (default {DEFAULT_PREFILL_TOKENS}, capped to fit "
         "the model's positions)",
     )
     p.add_argument("--prefill-repeats", type=positive_int, default=3, help="prefill runs (median)")
     p.add_argument(
-        "--prefill-chunk", type=positive_int, default=EngineConfig().prefill_chunk_tokens,
+        "--prefill-chunk",
+        type=positive_int,
+        default=EngineConfig().prefill_chunk_tokens,
         help="prompt tokens per prefill unit (EngineConfig.prefill_chunk_tokens)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto)")
     p.add_argument(
-        "--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
         help="compute dtype (auto: float32 on CPU; on GPU the artifact's storage dtype, bf16 if synthetic)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
@@ -117,8 +125,13 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
         )
         options = BenchOptions(
-            plan=plan, artifact=artifact, synthetic=args.synthetic, device=args.device, dtype=args.dtype,
-            cuda_graphs=not args.no_cuda_graphs, seed=args.seed,
+            plan=plan,
+            artifact=artifact,
+            synthetic=args.synthetic,
+            device=args.device,
+            dtype=args.dtype,
+            cuda_graphs=not args.no_cuda_graphs,
+            seed=args.seed,
         )
         report = run_bench(options, log=lambda line: print(f"ninfer bench: {line}", file=sys.stderr))
     except torch.cuda.OutOfMemoryError as e:

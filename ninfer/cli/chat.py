@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ninfer.cli.common import add_engine_flags, fail, split_artifact
+from ninfer.cli.common import add_engine_flags, fail, interactive_engine_config, split_artifact
 
 if TYPE_CHECKING:  # the CLI imports the Engine lazily, so `ninfer --help` stays fast
     from ninfer import Engine, GenerationDelta, GenerationRequest, GenerationResult
@@ -49,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system message for the whole conversation")
     p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on turns it on)")
     p.add_argument(
-        "--max-tokens", type=int, default=None,
+        "--max-tokens",
+        type=int,
+        default=None,
         help="generated-token cap per reply (default: until the model ends its turn or the context is full)",
     )
     p.add_argument("--temperature", type=float, default=None, help="default: the model's generation config")
@@ -59,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed of every reply (default: fresh)")
     p.add_argument(
-        "--verbose", action="store_true",
+        "--verbose",
+        action="store_true",
         help="after each reply print why it ended, token counts and speed on stderr",
     )
     add_engine_flags(p)
@@ -262,8 +265,10 @@ class ChatSession:
         elif name in ("/help", "/?"):
             _say(HELP)
         else:
-            _say(f"ninfer: error: unknown command {name}; /help lists the commands (a \"\"\" block sends "
-                 "text that starts with /)")
+            _say(
+                f'ninfer: error: unknown command {name}; /help lists the commands (a """ block sends '
+                "text that starts with /)"
+            )
         return True
 
     def request(self, user_text: str, max_tokens: int | None) -> GenerationRequest:
@@ -324,8 +329,10 @@ class ChatSession:
             seconds = time.monotonic() - started
             u = reply.usage
             rate = u.completion_tokens / max(seconds, 1e-9)
-            _say(f"[{reply.finish_reason}; {u.prompt_tokens} prompt ({u.reused_prefix_tokens} cached) + "
-                 f"{u.completion_tokens} generated tokens, {rate:.1f} tok/s]")
+            _say(
+                f"[{reply.finish_reason}; {u.prompt_tokens} prompt ({u.reused_prefix_tokens} cached) + "
+                f"{u.completion_tokens} generated tokens, {rate:.1f} tok/s]"
+            )
 
     def loop(self, reader: TurnReader) -> int:
         while True:
@@ -354,13 +361,10 @@ class ChatSession:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer import Engine, EngineConfig, EngineFailed, NInferError
+    from ninfer import Engine, EngineFailed, NInferError
 
     artifact, _ = split_artifact([args.artifact] if args.artifact else [], 0, "")
-    config = EngineConfig(
-        max_concurrency=1, queue_capacity=1, device=args.device, dtype=args.dtype,
-        max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, warmup=False,
-    )
+    config = interactive_engine_config(args)
     try:
         engine = Engine(artifact, config)
     except (OSError, ValueError, NInferError) as e:
@@ -373,11 +377,12 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             return fail("; ".join(problems))
         if interactive:
-            _say(f"ninfer chat: {engine.package_name or artifact} (context {engine.max_context} tokens, "
-                 f"thinking {'on' if session.conversation.enable_thinking else 'off'}); /help for commands, "
-                 "Ctrl-D to quit")
+            _say(
+                f"ninfer chat: {engine.package_name or artifact} (context {engine.max_context} tokens, "
+                f"thinking {'on' if session.conversation.enable_thinking else 'off'}); /help for commands, "
+                "Ctrl-D to quit"
+            )
         try:
             return session.loop(TurnReader(sys.stdin, interactive))
         except EngineFailed as e:
             return fail(str(e))
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -16,6 +17,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-context", type=int, default=None, help="context limit per request (tokens)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+
+
+def interactive_engine_config(args: argparse.Namespace) -> Any:
+    """The Engine of a one-user command (`generate`, `chat`): one lane, no queue, no warmup request."""
+    from ninfer import EngineConfig
+
+    return EngineConfig(
+        max_concurrency=1,
+        queue_capacity=1,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+        cuda_graphs=not args.no_cuda_graphs,
+        warmup=False,
+    )
 
 
 def fail(message: str) -> int:

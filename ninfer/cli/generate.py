@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from ninfer.cli.common import add_engine_flags, fail, split_artifact
+from ninfer.cli.common import add_engine_flags, fail, interactive_engine_config, split_artifact
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -24,7 +24,9 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     p.add_argument(
-        "positionals", nargs="+", metavar="[ARTIFACT] PROMPT",
+        "positionals",
+        nargs="+",
+        metavar="[ARTIFACT] PROMPT",
         help="a .ninfer file (default: the bundled demo model) and the prompt text",
     )
     p.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
@@ -70,13 +72,10 @@ def build_request(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer import Engine, EngineConfig, GenerationDelta, GenerationResult, NInferError
+    from ninfer import Engine, GenerationDelta, GenerationResult, NInferError
 
     artifact, (args.prompt,) = split_artifact(args.positionals, 1, "PROMPT")
-    config = EngineConfig(
-        max_concurrency=1, queue_capacity=1, device=args.device, dtype=args.dtype,
-        max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, warmup=False,
-    )
+    config = interactive_engine_config(args)
     try:
         engine = Engine(artifact, config)
     except (OSError, ValueError, NInferError) as e:
@@ -124,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         for call in result.tool_calls:
             print(f"\n[tool call] {call.name}({call.arguments})")
         print()
-        print(f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
-              f"{result.usage.completion_tokens} generated tokens]", file=sys.stderr)
+        print(
+            f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
+            f"{result.usage.completion_tokens} generated tokens]",
+            file=sys.stderr,
+        )
     return 0

@@ -17,9 +17,11 @@ from typing import Any
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show what a .ninfer file holds; --verify checks every checksum")
     p.add_argument("file", help="path to a .ninfer artifact")
-    p.add_argument("--verify", action="store_true",
-                   help="check every tensor and resource checksum and that the identity binds "
-                   "(exit 1 if not)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every tensor and resource checksum and that the identity binds (exit 1 if not)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -35,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
                 if report["package"]["error"]:
                     raise ArtifactError(artifact.path, report["package"]["error"])
                 artifact.verify(progress=True)
-                report["verified"] = {"tensors": report["tensors"]["count"],
-                                      "resources": len(report["frontend"])}
+                report["verified"] = {
+                    "tensors": report["tensors"]["count"],
+                    "resources": len(report["frontend"]),
+                }
     except (ArtifactError, PackageMismatch, OSError) as e:
         print(f"ninfer inspect: error: {e}", file=sys.stderr)
         return 1
@@ -90,8 +94,9 @@ def _report(artifact: Any) -> dict[str, Any]:
             "groups": groups,
             "dtypes": dict(sorted(dtypes.items())),
         },
-        "frontend": {r.name: {"nbytes": r.nbytes, "media_type": r.media_type}
-                     for r in artifact.frontend_descriptors()},
+        "frontend": {
+            r.name: {"nbytes": r.nbytes, "media_type": r.media_type} for r in artifact.frontend_descriptors()
+        },
         "provenance": artifact.provenance,
     }
 
@@ -115,8 +120,12 @@ def _dims_lines(dims: dict[str, Any]) -> list[str]:
         v = Variant.from_dims(dims)
     except (TypeError, ValueError, KeyError, AssertionError):
         return [", ".join(f"{k} {v}" for k, v in dims.items() if not isinstance(v, dict))]
-    mlp = (f"MoE {v.num_experts}x{v.moe_intermediate_size} top-{v.num_experts_per_tok} "
-           f"+ shared {v.shared_expert_intermediate_size}" if v.moe else f"dense MLP {v.intermediate_size}")
+    mlp = (
+        f"MoE {v.num_experts}x{v.moe_intermediate_size} top-{v.num_experts_per_tok} "
+        f"+ shared {v.shared_expert_intermediate_size}"
+        if v.moe
+        else f"dense MLP {v.intermediate_size}"
+    )
     return [
         f"hidden {v.hidden_size}, {v.num_layers} layers ({len(v.gdn_layers)} GDN + "
         f"{len(v.attention_layers)} attention), vocab {v.vocab_size}, {mlp}",
@@ -129,8 +138,10 @@ def _dims_lines(dims: dict[str, Any]) -> list[str]:
 def _print_text(r: dict[str, Any]) -> None:
     ident, pkg, t = r["identity"], r["package"], r["tensors"]
     print(f"file        {r['path']}  (format version {r['format_version']}, {human_bytes(r['file_bytes'])})")
-    print(f"identity    family {ident['family']}, package {ident['package']}, "
-          f"storage profile {ident['storage_profile']}")
+    print(
+        f"identity    family {ident['family']}, package {ident['package']}, "
+        f"storage profile {ident['storage_profile']}"
+    )
     if pkg["error"]:
         print(f"package     does not bind: {pkg['error']}")
     else:
@@ -141,8 +152,10 @@ def _print_text(r: dict[str, Any]) -> None:
     for name, g in t["groups"].items():
         if g["count"]:
             print(f"  {name:<10}{g['count']} tensors, {human_bytes(g['bytes'])}")
-    print("dtypes      " + ", ".join(f"{k} x{d['count']} ({human_bytes(d['bytes'])})"
-                                     for k, d in t["dtypes"].items()))
+    print(
+        "dtypes      "
+        + ", ".join(f"{k} x{d['count']} ({human_bytes(d['bytes'])})" for k, d in t["dtypes"].items())
+    )
     if r["frontend"]:
         print("frontend")
         for name, res in r["frontend"].items():

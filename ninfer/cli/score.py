@@ -43,7 +43,9 @@ def max_context_note(window: int | None, max_context: int | None) -> str | None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("score", help="per-token log-probs and total NLL of a text")
     p.add_argument(
-        "positionals", nargs="*", metavar="[ARTIFACT] [FILE|-]",
+        "positionals",
+        nargs="*",
+        metavar="[ARTIFACT] [FILE|-]",
         help="a .ninfer file (default: the bundled demo model) and the text file to score (- or none: stdin)",
     )
     p.add_argument(
@@ -75,8 +77,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"ninfer score: warning: {note}", file=sys.stderr)
     try:
         config = EngineConfig(  # max_context stays None: the Engine's context is the window
-            purpose="causal_scoring", device=args.device, dtype=args.dtype,
-            score_window=window, score_stride=stride, warmup=False,
+            purpose="causal_scoring",
+            device=args.device,
+            dtype=args.dtype,
+            score_window=window,
+            score_stride=stride,
+            warmup=False,
         )
         with Engine(artifact, config) as engine:
             result = engine.score([text])[0]
@@ -85,19 +91,25 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     n_bytes = len(text.encode("utf-8"))
     if args.json:
-        print(json.dumps({
-            "token_ids": list(result.token_ids),
-            "logprobs": list(result.logprobs),
-            "total_nll": result.total_nll,
-            "bytes": n_bytes,
-            "bits_per_byte": result.total_nll / math.log(2) / n_bytes,
-        }))
+        print(
+            json.dumps(
+                {
+                    "token_ids": list(result.token_ids),
+                    "logprobs": list(result.logprobs),
+                    "total_nll": result.total_nll,
+                    "bytes": n_bytes,
+                    "bits_per_byte": result.total_nll / math.log(2) / n_bytes,
+                }
+            )
+        )
         return 0
     for token, lp in zip(result.token_ids, result.logprobs):
         piece = frontend.decode([token])
         print(f"{token:>8} {repr(piece):<24} {'-' if lp is None else f'{lp:.4f}'}")
     scored = len(result.token_ids) - 1
-    print(f"tokens {len(result.token_ids)}  total NLL {result.total_nll:.4f} nats  "
-          f"mean {result.total_nll / max(scored, 1):.4f} nats/token  "
-          f"{result.total_nll / math.log(2) / n_bytes:.4f} bits/byte")
+    print(
+        f"tokens {len(result.token_ids)}  total NLL {result.total_nll:.4f} nats  "
+        f"mean {result.total_nll / max(scored, 1):.4f} nats/token  "
+        f"{result.total_nll / math.log(2) / n_bytes:.4f} bits/byte"
+    )
     return 0

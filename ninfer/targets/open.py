@@ -92,16 +92,25 @@ def open_target(artifact_path: str, config: Any) -> OpenedTarget:
         )
         return OpenedTarget(program, frontend, package.name)
 
+    max_context = config.max_context or min(variant.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    program = build_program(variant, view, config, max_context, device, dtype)
+    return OpenedTarget(program, frontend, package.name)
+
+
+def build_program(
+    variant: Any, view: Any, config: Any, max_context: int, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """The generation Program for an EngineConfig: a KV pool that holds ``max_context`` positions for
+    every lane, refused with the flags to change when the model or the device cannot hold it."""
     from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
 
-    max_context = config.max_context or min(variant.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     if max_context > variant.max_position_embeddings:
         raise ValueError(
             f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
         )
     pages_per_seq = -(-max_context // config.page_size)
     _check_state_memory(variant, config, pages_per_seq * config.max_concurrency, max_context, dtype, device)
-    program = Qwen36Program(
+    return Qwen36Program(
         variant,
         view,
         ProgramConfig(
@@ -114,7 +123,6 @@ def open_target(artifact_path: str, config: Any) -> OpenedTarget:
             cuda_graphs=config.cuda_graphs,
         ),
     )
-    return OpenedTarget(program, frontend, package.name)
 
 
 def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
