@@ -29,7 +29,12 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True, slots=True)
 class OutputOptions:
-    """Per-request output semantics, built by the Engine from the public request."""
+    """Per-request output semantics, built by the Engine from the public request.
+
+    ``stop_token_ids`` stop in addition to the eos ids (which stop unless ``ignore_eos``).
+    ``thinking_budget`` caps the reasoning tokens; at the cap the session asks for the family's
+    canonical end-of-thinking suffix as forced control.
+    """
 
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

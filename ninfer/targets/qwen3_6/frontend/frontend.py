@@ -134,6 +134,8 @@ class Frontend:
         return make_prepared_prompt(ids, self.special, tools=tools, chat=True)
 
     # ---- output -------------------------------------------------------------------------------
-    def new_output_session(self, prompt: PreparedPrompt, options: OutputOptions | Any) -> OutputSession:
-        """``options`` is read by attribute name, so the Engine's own OutputOptions value works too."""
+    def new_output_session(self, prompt: PreparedPrompt, options: OutputOptions) -> OutputSession:
+        """A session for one request. Reasoning/tool-call parsing left ``None`` in ``options`` is decided
+        from the prompt: reasoning for a chat prompt or one that opens ``<think>``, tool calls when it
+        was prepared with tools."""
         return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids)

@@ -45,7 +45,7 @@ _DEFAULTS = OutputOptions()
 
 
 def _option(options: Any, name: str) -> Any:
-    """Read an option by attribute name (the Engine may pass its own OutputOptions-shaped value)."""
+    """Read an option by attribute name, defaulting what an OutputOptions-shaped value lacks."""
     return getattr(options, name, getattr(_DEFAULTS, name))
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# the one OutputOptions value (the Engine builds it; the output session reads it)
+from ninfer.runtime.contract.frontend import OutputOptions as OutputOptions
+
 
 @dataclass(frozen=True)
 class FrontendResources:
@@ -34,28 +37,6 @@ class PreparedPrompt:
     opens_thinking: bool = False
     tools: tuple[dict[str, Any], ...] | None = None
     chat: bool = False  # rendered from messages by the chat template (output has a reasoning channel)
-
-
-@dataclass(frozen=True)
-class OutputOptions:
-    """Per-request output semantics.
-
-    ``stop_token_ids`` stop in addition to the eos ids (which stop unless ``ignore_eos``).
-    ``parse_reasoning``/``parse_tool_calls`` left ``None``: the session decides from the prompt (reasoning
-    for a chat prompt or one that opens ``<think>``; tool calls when it was prepared with tools).
-    ``parse_tool_calls`` has an effect only when the prompt was prepared with tools.
-    ``thinking_budget`` caps the reasoning tokens; at the cap the session asks for the canonical
-    ``"\\n</think>\\n\\n"`` suffix as forced control.
-    """
-
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str: bool = False
-    skip_special_tokens: bool = True
-    parse_reasoning: bool | None = None
-    parse_tool_calls: bool | None = None
-    thinking_budget: int | None = None
 
 
 @dataclass(frozen=True)
