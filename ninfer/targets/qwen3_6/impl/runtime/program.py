@@ -41,6 +41,7 @@ from ninfer.runtime.contract.types import (
     ResourceUsage,
     RowDecision,
     RunningTransaction,
+    SamplingParams,
     SequenceHandle,
     StalePlan,
     TokenLogprob,
@@ -82,6 +83,11 @@ class _Provisional:
     kind: str
     # per row: positions the unit consumed from the committed frontier (prompt chunk or forced inputs)
     consumed: tuple[int, ...]
+
+
+def _sampler_params(sampling: SamplingParams) -> OpsSamplingParams:
+    """The sampler's params: the contract's value has exactly its fields."""
+    return OpsSamplingParams(**{f.name: getattr(sampling, f.name) for f in fields(sampling)})
 
 
 def _forced_logprobs(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> tuple[TokenLogprob, ...]:
@@ -190,6 +196,10 @@ class Qwen36Program:
             )
         if len(request.prompt_token_ids) < 1:
             return Infeasible("the prompt is empty; give at least one token")
+        try:
+            _sampler_params(request.sampling).validate()  # once per request, not on every step
+        except ValueError as e:
+            return Infeasible(f"invalid sampling: {e}")
         if self._free_index() is None or need.slots > self._slots.free_count:
             return Blocked("no free sequence slot")
         if need.pages > self._pages.free_count:
@@ -232,7 +242,7 @@ class Qwen36Program:
         self._check_txn(txn)
         request, index, slots, pages = txn.sealed
         sampling = request.sampling  # the contract's value has exactly the sampler's fields
-        ops_params = OpsSamplingParams(**{f.name: getattr(sampling, f.name) for f in fields(sampling)})
+        ops_params = _sampler_params(sampling)  # checked in plan_materialization: steps skip it
         self._generations[index] += 1
         handle = SequenceHandle(owner=self.owner, index=index, generation=self._generations[index])
         self._sequences[index] = SequenceState(
@@ -392,7 +402,7 @@ class Qwen36Program:
         self, kind: str, seqs: Sequence[SequenceState], logits: torch.Tensor, consumed: tuple[int, ...]
     ) -> PendingBatch:
         params = [s.sampling for s in seqs]
-        batch = SamplingBatch.build(params, [s.seed for s in seqs], self.config.device)
+        batch = SamplingBatch.build(params, [s.seed for s in seqs], self.config.device, validated=True)
         # the counter of a draw is the absolute position of the sampled token
         positions = torch.tensor(
             [s.frontier + c for s, c in zip(seqs, consumed)], dtype=torch.int64, device=self.config.device
