@@ -75,6 +75,8 @@ class EngineConfig:
     - ``page_size``: KV positions per page; ``prefill_chunk_tokens``: prompt tokens per prefill unit, so
       a long prompt interleaves with decode rounds.
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
+    - ``kernels``: the op implementations: ``auto`` (fast Triton/fla-core ops on CUDA, the reference
+      ops elsewhere), ``reference`` (plain PyTorch everywhere: the oracle) or ``fast`` (CUDA only).
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
     """
 
@@ -89,6 +91,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 2048
     cuda_graphs: bool = True
     warmup: bool = True
+    kernels: Literal["auto", "reference", "fast"] = "auto"
     score_window: int = 2048
     score_stride: int = 1024
 
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
+        if self.kernels not in ("auto", "reference", "fast"):
+            raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', got {self.kernels!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.prefill_chunk_tokens < 1:

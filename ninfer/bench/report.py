@@ -81,6 +81,7 @@ class BenchReport:
     matmul_n: int
     matmul_dtype: str
     startup_s: dict[str, float]  # phase -> seconds; "total" last
+    load: str | None  # the weight loader's report (artifacts only)
     decode: tuple[DecodeRow, ...]
     prefill: PrefillRow
     ttft: LatencyRow
@@ -108,6 +109,7 @@ class BenchReport:
             matmul_n=self.matmul_n,
             matmul_dtype=self.matmul_dtype,
             startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
+            load=self.load,
             decode=[
                 {
                     "batch": r.batch,
@@ -167,7 +169,8 @@ def render_table(report: BenchReport) -> str:
     lines += [
         f"measured: copy bandwidth {report.bandwidth_GBps:.1f} GB/s; "
         f"matmul {report.matmul_TFLOPs:.3g} TFLOP/s ({report.matmul_dtype} {report.matmul_n}^3)",
-        f"start-up: {report.startup_s['total']:.2f} s ({phases})",
+        f"start-up: {report.startup_s['total']:.2f} s ({phases})"
+        + (f"; weights: {report.load}" if report.load else ""),
         "",
         f"decode at context {s['context']} (median of {s['decode_steps']} rounds of all B rows)",
         f"{'B':>3} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'% of floor':>10} "

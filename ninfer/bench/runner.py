@@ -163,6 +163,7 @@ def build_report(
         matmul_n=probe.matmul_n,
         matmul_dtype=str(probe.matmul_dtype).removeprefix("torch."),
         startup_s=phases,
+        load=started.load,
         decode=tuple(decode),
         prefill=PrefillRow(
             tokens=plan.prefill_tokens,

@@ -38,6 +38,7 @@ class StartedEngine:
     synthetic: bool
     artifact: str | None
     phases_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in order
+    load: str | None = None  # the weight loader's report (bytes, seconds, GB/s), artifacts only
 
     @property
     def startup_s(self) -> float:
@@ -69,7 +70,8 @@ def start_from_artifact(path: str, config: EngineConfig) -> StartedEngine:
     engine = Engine.from_parts(opened.program, opened.frontend, config, package_name=opened.package_name)
     t2 = time.perf_counter()
     phases = {"load_and_program": t1 - t0, "worker_and_warmup": t2 - t1}
-    return StartedEngine(engine, package, device, dtype, False, path, phases)
+    load = str(opened.load_report) if opened.load_report is not None else None
+    return StartedEngine(engine, package, device, dtype, False, path, phases, load)
 
 
 def synthetic_frontend(package: Package) -> Frontend:

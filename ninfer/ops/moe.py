@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ninfer.ops.mlp import swiglu, swiglu_mlp
 
-__all__ = ["moe_route", "moe_experts", "moe_block"]
+__all__ = ["moe_route", "moe_route_logits", "moe_experts", "moe_block"]
 
 
 def moe_route(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,11 +21,15 @@ def moe_route(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torc
 
     Logits are formed in the model dtype as HF does (so ties break identically), softmax in fp32.
     """
-    logits = F.linear(x, router_w.to(x.dtype))
+    return moe_route_logits(F.linear(x, router_w.to(x.dtype)), top_k)
+
+
+def moe_route_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route` from router logits [N, E] in the model dtype -> (weights [N, k], expert_ids [N, k])."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_probs, expert_ids = torch.topk(probs, top_k, dim=-1)
     top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-    return top_probs.to(x.dtype), expert_ids
+    return top_probs.to(logits.dtype), expert_ids
 
 
 def _moe_experts_fp32(

@@ -25,6 +25,7 @@ class OpenedTarget:
     program: Any  # Program (generation) or ScoringProgram (causal_scoring)
     frontend: Frontend
     package_name: str
+    load_report: Any = None  # artifact.loader.LoadReport: bytes, seconds and GB/s of the weight load
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,26 +76,33 @@ def _frontend(artifact: Any, special: Any) -> Frontend:
 
 def open_target(artifact_path: str, config: Any) -> OpenedTarget:
     from ninfer.artifact import Artifact
-    from ninfer.targets.qwen3_6.binder import load_model_view
+    from ninfer.targets.qwen3_6.binder import load_model
 
     device = resolve_device(config.device)
     with Artifact.open(artifact_path) as artifact:
         storage = _storage_dtype(artifact)
     dtype = resolve_dtype(config.dtype, storage, device)
-    package, view = load_model_view(artifact_path, device, dtype)
+    loaded = load_model(artifact_path, device, dtype)
+    package, view = loaded.package, loaded.view
     frontend = load_frontend(artifact_path)
     variant = package.variant
     if config.purpose == "causal_scoring":
         from ninfer.targets.qwen3_6.impl.runtime.scoring import Qwen36ScoringProgram
 
         program: Any = Qwen36ScoringProgram(
-            variant, view, window=config.score_window, page_size=config.page_size, device=device, dtype=dtype
+            variant,
+            view,
+            window=config.score_window,
+            page_size=config.page_size,
+            device=device,
+            dtype=dtype,
+            kernels=config.kernels,
         )
-        return OpenedTarget(program, frontend, package.name)
+        return OpenedTarget(program, frontend, package.name, loaded.report)
 
     max_context = config.max_context or min(variant.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     program = build_program(variant, view, config, max_context, device, dtype)
-    return OpenedTarget(program, frontend, package.name)
+    return OpenedTarget(program, frontend, package.name, loaded.report)
 
 
 def build_program(
@@ -121,6 +129,7 @@ def build_program(
             device=device,
             dtype=dtype,
             cuda_graphs=config.cuda_graphs,
+            kernels=config.kernels,
         ),
     )
 

@@ -119,6 +119,28 @@ def test_gdn_decode_without_token_dim_and_odd_head_dims(kernels: ModuleType) -> 
     assert torch.equal(x["pool"][:5], pool_before[:5]) and torch.equal(x["pool"][7], pool_before[7])
 
 
+def test_gdn_decode_fresh_rows_start_from_zero_state(kernels: ModuleType) -> None:
+    """A fresh row (a sequence's first token) ignores whatever its slot holds, even NaN."""
+    gen = torch.Generator().manual_seed(11)
+    batch, nk, nv, dk, dv, slots = 3, 2, 4, 16, 16, 6
+    x = _inputs(batch, 1, nk, nv, dk, dv, slots, gen)
+    state_in = torch.tensor([0, 1, 2], dtype=torch.int64)
+    state_out = torch.tensor([3, 4, 5], dtype=torch.int64)
+    fresh = torch.tensor([False, True, False])
+    x["pool"][1] = float("nan")  # a stale slot: must not be read
+    zeroed = dict(x, pool=torch.where(fresh[:, None, None, None], 0.0, x["pool"][state_in]))
+    o_ref, final_ref, _ = _reference(zeroed, [0, 1, 2], torch.arange(batch))
+
+    o = kernels.gdn_decode_step(
+        x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["pool"], state_in, state_out,
+        fresh=fresh,
+    )  # fmt: skip
+
+    assert not o.isnan().any()
+    torch.testing.assert_close(o, o_ref, **CLOSE)
+    torch.testing.assert_close(x["pool"][3:], final_ref, **CLOSE)
+
+
 def test_gdn_decode_intermediate_states_leave_pool_alone(kernels: ModuleType) -> None:
     gen = torch.Generator().manual_seed(7)
     batch, tokens, nk, nv, dk, dv, slots = 3, 3, 2, 6, 16, 16, 5

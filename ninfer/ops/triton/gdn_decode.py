@@ -44,6 +44,7 @@ def _gdn_decode_kernel(
     pool_ptr,
     state_in_ptr,
     state_out_ptr,
+    fresh_ptr,
     scratch_ptr,
     o_ptr,
     num_tokens,
@@ -71,6 +72,7 @@ def _gdn_decode_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     WRITE_SCRATCH: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -91,6 +93,8 @@ def _gdn_decode_kernel(
             tl.store(o_row + t * NV * DV + offs_v, tl.zeros([BLOCK_V], tl.float32), mask=mask_v)
     else:
         state = tl.load(pool_ptr + (slot_in * NV + head) * DK * DV + state_tile, mask=mask_state, other=0.0)
+        if HAS_FRESH:  # a sequence's first token starts from the zero state, whatever its slot holds
+            state = tl.where(tl.load(fresh_ptr + row) != 0, 0.0, state)
         decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
         for t in range(num_tokens):
@@ -154,6 +158,7 @@ def gdn_decode_step(
     state_in: torch.Tensor,
     state_out: torch.Tensor,
     *,
+    fresh: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
@@ -164,7 +169,8 @@ def gdn_decode_step(
     q, k [B, T, nk, dk] (or [B, nk, dk] for T = 1), v [B, T, nv, dv] (or [B, nv, dv]), a, b [B, T, nv]
     (or [B, nv]) in any float dtype (strided views of the projection outputs are fine as long as the
     last dim is contiguous); A_log, dt_bias [nv]; rec_pool [S, nv, dk, dv] fp32 contiguous;
-    state_in, state_out [B] integer slots (negative = padding / do not persist).
+    state_in, state_out [B] integer slots (negative = padding / do not persist); `fresh` [B] bool: the
+    row starts from the zero state instead of its slot's (a sequence's first token).
     Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
     With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
     """
@@ -209,7 +215,8 @@ def gdn_decode_step(
     scratch = intermediate_states if intermediate_states is not None else rec_pool  # unused when not written
     grid = (batch, nv, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, rec_pool, state_in, state_out, scratch, o,
+        q, k, v, a, b, A_log, dt_bias, rec_pool, state_in, state_out,
+        fresh if fresh is not None else state_in, scratch, o,
         num_tokens,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -218,7 +225,7 @@ def gdn_decode_step(
         b.stride(0), b.stride(1), b.stride(2),
         dk**-0.5, _L2NORM_EPS,
         NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
-        WRITE_SCRATCH=intermediate_states is not None,
+        WRITE_SCRATCH=intermediate_states is not None, HAS_FRESH=fresh is not None,
         num_warps=num_warps,
     )  # fmt: skip
     return o[:, 0] if squeeze_tokens else o

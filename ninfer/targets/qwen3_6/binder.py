@@ -1,60 +1,151 @@
 """Binds weights to a `ModelView`: from a `.ninfer` artifact, from random numbers, and back to HF names.
 
-- `load_model_view`: the artifact names its package; the registry resolves it, the stored dims must
-  equal the package's exactly, then every schema tensor moves to the device (fp32-pinned tensors stay
-  fp32, the others optionally cast).
+- `load_model` / `load_model_view`: the artifact names its package; the registry resolves it, the stored
+  dims must equal the package's exactly, then every text tensor streams to the device through
+  `ninfer.artifact.loader` (pinned double-buffered staging on CUDA; fp32-pinned tensors stay fp32, the
+  others optionally cast on the device). `load_model` also returns the `LoadReport` (bytes, s, GB/s).
 - `random_model_view`: random weights of a package's exact dims with scales that keep activations O(1),
   every norm weight randomised (a ``w`` vs ``1 + w`` mix-up must show) and realistic GDN decay
   parameters. Used by the tests and by ``bench --synthetic``; generated tensor by tensor on the target
   device, so real-size packages never pass through host memory.
 - `hf_state_dict`: the view under transformers' ``Qwen3_5(Moe)ForConditionalGeneration`` (or
   ``ForCausalLM``) names, so tests can load the very same weights into the oracle.
+
+Layout: whenever the binder allocates the text weights itself (every load to a GPU, a CPU load with a
+cast, every random view), each `fused_row_groups` group is one freshly allocated buffer whose
+consecutive row blocks are the members, in the group's order; the members stay bound under their own
+names as row-slice views of it, and `ModelView.from_tensors` finds the stacked matrix (``qkv_proj``,
+``in_proj``, ``gate_up_proj``, ``input_proj``) through `stacked_rows`. Members are copied straight into
+their slots, so the device never holds a second copy. A group whose members do not share one dtype and
+one row width (not the case in real packages) is placed member by member instead. A CPU load without a
+cast binds the mapped bytes zero-copy, with no stacking: that is the reference path.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ninfer.artifact.loader import DEFAULT_STAGING_BYTES, LoadReport
 from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView, place_tensor
-from ninfer.targets.qwen3_6.weights import WeightSpec, weight_schema
+from ninfer.targets.qwen3_6.weights import WeightSpec, fused_row_groups, weight_schema
 
-__all__ = ["load_model_view", "random_model_view", "hf_state_dict"]
+__all__ = [
+    "LoadedModel",
+    "LoadReport",
+    "allocate_text_weights",
+    "hf_state_dict",
+    "load_model",
+    "load_model_view",
+    "random_model_view",
+]
 
 
-def load_model_view(
-    artifact_path: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
-) -> tuple[Package, ModelView]:
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A bound artifact: its package, the view, and how the weights got to the device."""
+
+    package: Package
+    view: ModelView
+    report: LoadReport
+
+
+def load_model(
+    artifact_path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    progress: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> LoadedModel:
     """Open a `.ninfer` artifact, resolve and check its package, and bind its tensors on ``device``.
 
     Raises `IdentityMismatchError` (a `PackageMismatch`) when the identity names no registered package
     or the stored dims differ from the package's, and `ModelViewError` when the stored tensors do not
-    follow the schema. On CPU without a cast the view's tensors stay zero-copy views of the mapping.
+    follow the schema. Text tensors land in buffers laid out as the module docstring says, streamed in
+    file order through staging buffers of ``staging_bytes`` (``progress``: a progress line on stderr).
+    On CPU without a cast the view's tensors stay zero-copy views of the mapping.
     MTP and vision weights stay in host memory, zero-copy and as stored: no forward reads them yet, and
     on a GPU they would take ~1.6 GiB (27B) to 2.4 GiB (35B-A3B) of device memory for nothing.
     """
     from ninfer.artifact import Artifact, check_identity  # imported here: the model does not need it
+    from ninfer.artifact.loader import load_artifact_tensors
 
+    device = torch.device(device)
     with Artifact.open(artifact_path, verify=False) as artifact:
         package = check_identity(artifact)  # registry lookup + family, profile and exact dims
         names = set(artifact.tensor_names())
-        tensors = {
-            spec.name: (
-                place_tensor(artifact.tensor(spec.name), spec, device, dtype)
-                if spec.group == "text"
-                else artifact.tensor(spec.name)
-            )
-            for spec in weight_schema(package.variant)
-            if spec.name in names  # absent names are reported, all at once, by from_tensors
+        present = [spec for spec in weight_schema(package.variant) if spec.name in names]
+        # absent names are reported, all at once, by from_tensors
+        text = {spec.name: artifact.descriptor(spec.name) for spec in present if spec.group == "text"}
+        targets = {
+            spec.name: _target_dtype(spec, text[spec.name].dtype, dtype)
+            for spec in present
+            if spec.name in text
         }
-        for extra in names - tensors.keys():
-            tensors[extra] = artifact.tensor(extra)
-    return package, ModelView.from_tensors(package.variant, tensors)
+        if device.type == "cpu" and all(targets[name] == desc.dtype for name, desc in text.items()):
+            started = time.perf_counter()
+            tensors = {name: artifact.tensor(name) for name in text}
+            report = LoadReport(0, time.perf_counter() - started, len(text), 0, str(device), zero_copy=True)
+        else:
+            shapes = {name: desc.shape for name, desc in text.items()}
+            tensors = allocate_text_weights(package.variant, shapes, targets, device)
+            report = load_artifact_tensors(artifact, tensors, staging_bytes=staging_bytes, progress=progress)
+        for name in names - tensors.keys():  # MTP, vision, and names outside the schema (reported)
+            tensors[name] = artifact.tensor(name)
+    return LoadedModel(package, ModelView.from_tensors(package.variant, tensors), report)
+
+
+def load_model_view(
+    artifact_path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    progress: bool = False,
+) -> tuple[Package, ModelView]:
+    """`load_model` without the report: ``(package, view)``."""
+    loaded = load_model(artifact_path, device, dtype, progress=progress)
+    return loaded.package, loaded.view
+
+
+def allocate_text_weights(
+    variant: Variant,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, torch.dtype],
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors for ``shapes`` (name -> shape) on ``device``, each group stacked.
+
+    Every `fused_row_groups` group whose members are all present, 2-D, of one width and one dtype gets
+    one ``[sum of rows, width]`` buffer, and each member is its row block (a contiguous view); every
+    other name gets its own allocation.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for group in fused_row_groups(variant):
+        if not all(name in shapes for name in group):
+            continue
+        member_shapes = [shapes[name] for name in group]
+        member_dtypes = {dtypes[name] for name in group}
+        if len(member_dtypes) != 1 or any(len(s) != 2 for s in member_shapes):
+            continue
+        if len({cols for _, cols in member_shapes}) != 1:
+            continue
+        rows = [r for r, _ in member_shapes]
+        buffer = torch.empty((sum(rows), member_shapes[0][1]), dtype=member_dtypes.pop(), device=device)
+        for name, block in zip(group, buffer.split(rows)):
+            out[name] = block
+    for name, shape in shapes.items():
+        if name not in out:
+            out[name] = torch.empty(shape, dtype=dtypes[name], device=device)
+    return out
 
 
 def random_model_view(
@@ -64,14 +155,28 @@ def random_model_view(
 
     Each tensor draws from its own generator seeded by (seed, name), in fp32 on ``device``, then casts:
     values do not depend on the order of the schema, and equal (seed, device) give equal weights.
+    Fused row groups are stacked (module docstring): members are generated one at a time and cast
+    straight into their slot.
     """
     device = torch.device(device)
     generator = torch.Generator(device=device)
+    schema = weight_schema(variant)
+    grouped = {name for group in fused_row_groups(variant) for name in group}
+    stacked = {spec.name: spec for spec in schema if spec.name in grouped}
+    slots = allocate_text_weights(
+        variant,
+        {name: spec.shape for name, spec in stacked.items()},
+        {name: _target_dtype(spec, torch.float32, dtype) for name, spec in stacked.items()},
+        device,
+    )
     tensors = {}
-    for spec in weight_schema(variant):
+    for spec in schema:
         generator.manual_seed(_tensor_seed(seed, spec.name))
         tensor = _random_tensor(spec, variant, generator, device)
-        tensors[spec.name] = place_tensor(tensor, spec, device, dtype)
+        if spec.name in slots:
+            tensors[spec.name] = slots[spec.name].copy_(tensor)  # same rounding as place_tensor's .to
+        else:
+            tensors[spec.name] = place_tensor(tensor, spec, device, dtype)
     return ModelView.from_tensors(variant, tensors)
 
 
@@ -109,6 +214,11 @@ _RESIDUAL_OUTPUTS = (
     "down_proj.weight",  # dense MLP and shared expert
     "experts.down_proj",
 )
+
+
+def _target_dtype(spec: WeightSpec, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `place_tensor` gives a tensor: fp32 when pinned, else ``dtype`` when given, else stored."""
+    return torch.float32 if spec.keep_fp32 else (dtype or stored)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

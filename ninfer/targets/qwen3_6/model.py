@@ -26,19 +26,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.attention import (
-    gated_attention_output,
-    kv_write,
-    paged_attention,
-    paged_decode_attention,
-    split_q_gate,
-)
-from ninfer.ops.conv import causal_conv1d, causal_conv1d_update
-from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
-from ninfer.ops.mlp import swiglu_mlp
-from ninfer.ops.moe import moe_block
-from ninfer.ops.norm import gated_rms_norm, rms_norm
+from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
+from ninfer.ops.moe import moe_route_logits
 from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
+from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, split_conv_output
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
     AttentionLayerView,
@@ -146,6 +137,7 @@ class StepBatch:
     state_out     [B] long        GDN slot each row writes its final state to (may equal state_in)
     fresh         [B] bool        the row starts from zero GDN state instead of reading state_in
     inputs_embeds [N, H] | None   replaces the token embeddings (vision)
+    query_start_host              query_start as host ints (prefill paths read row bounds from it)
     """
 
     token_ids: Tensor
@@ -158,6 +150,13 @@ class StepBatch:
     state_out: Tensor
     fresh: Tensor
     inputs_embeds: Tensor | None = None
+    query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
+
+    def query_bounds(self) -> list[int]:
+        """query_start as host ints (a device sync only when the builder did not supply them)."""
+        if self.query_start_host is not None:
+            return list(self.query_start_host)
+        return self.query_start.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -189,17 +188,25 @@ def forward(
     store: StateStore,
     *,
     logits: LogitsMode = "last",
+    kernels: Kernels = REFERENCE,
 ) -> ForwardOutput:
-    """Run the text model over ``batch``, reading and writing ``store`` in place."""
+    """Run the text model over ``batch``, reading and writing ``store`` in place.
+
+    Each residual add is fused with the norm that follows it (``add_rms_norm``): the stream ``x`` and the
+    normed input ``h`` of the next block come out of one op.
+    """
     text = view.text
     if batch.inputs_embeds is not None:
         x = batch.inputs_embeds.to(text.embed.dtype)
     else:
         x = F.embedding(batch.token_ids, text.embed)
     cos, sin = mrope_cos_sin(batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section)
-    for layer in text.layers:
-        x = decoder_layer(layer, variant, x, batch, store, cos, sin)
-    hidden = rms_norm(x, text.norm, variant.rms_norm_eps)
+    eps = variant.rms_norm_eps
+    h = kernels.rms_norm(x, text.layers[0].input_norm, eps)
+    for i, layer in enumerate(text.layers):
+        following = text.layers[i + 1].input_norm if i + 1 < len(text.layers) else text.norm
+        h, x = _layer_blocks(layer, variant, h, x, following, batch, store, cos, sin, kernels)
+    hidden = h
 
     if logits == "none":
         return ForwardOutput(hidden=hidden, logits=None)
@@ -212,6 +219,44 @@ def forward(
     return ForwardOutput(hidden=hidden, logits=F.linear(selected, text.lm_head).float())
 
 
+def _layer_blocks(
+    layer: DecoderLayerView,
+    variant: Variant,
+    h: Tensor,
+    x: Tensor,
+    following_norm: Tensor,
+    batch: StepBatch,
+    store: StateStore,
+    cos: Tensor,
+    sin: Tensor,
+    kernels: Kernels,
+) -> tuple[Tensor, Tensor]:
+    """One decoder layer on the normed input ``h`` and stream ``x`` -> (next block's normed input, x)."""
+    eps = variant.rms_norm_eps
+    mixed = _mixer(layer, variant, h, batch, store, cos, sin, kernels)
+    h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_norm, eps)
+    mlp_out = mlp(layer.mlp, variant, h, decode=batch.is_decode, kernels=kernels)
+    return kernels.add_rms_norm(mlp_out, x, following_norm, eps)
+
+
+def _mixer(
+    layer: DecoderLayerView,
+    variant: Variant,
+    h: Tensor,
+    batch: StepBatch,
+    store: StateStore,
+    cos: Tensor,
+    sin: Tensor,
+    kernels: Kernels,
+) -> Tensor:
+    i = layer.state_index
+    if isinstance(layer.mixer, GdnLayerView):
+        return gdn_mixer(layer.mixer, variant, h, batch, store.conv[i], store.rec[i], kernels)
+    return attention_mixer(
+        layer.mixer, variant, h, batch, store.k_pages[i], store.v_pages[i], cos, sin, kernels
+    )
+
+
 def decoder_layer(
     layer: DecoderLayerView,
     variant: Variant,
@@ -220,35 +265,38 @@ def decoder_layer(
     store: StateStore,
     cos: Tensor,
     sin: Tensor,
+    kernels: Kernels = REFERENCE,
 ) -> Tensor:
-    """Pre-norm residual layer: ``x += mixer(norm(x)); x += mlp(norm(x))``."""
+    """Pre-norm residual layer on its own: ``x += mixer(norm(x)); x += mlp(norm(x))`` (MTP, tests)."""
     eps = variant.rms_norm_eps
-    mixer_in = rms_norm(x, layer.input_norm, eps)
-    i = layer.state_index
-    if isinstance(layer.mixer, GdnLayerView):
-        mixed = gdn_mixer(layer.mixer, variant, mixer_in, batch, store.conv[i], store.rec[i])
-    else:
-        mixed = attention_mixer(
-            layer.mixer, variant, mixer_in, batch, store.k_pages[i], store.v_pages[i], cos, sin
-        )
-    x = x + mixed
-    mlp_out = mlp(layer.mlp, variant, rms_norm(x, layer.post_attention_norm, eps), decode=batch.is_decode)
-    return x + mlp_out
+    h = kernels.rms_norm(x, layer.input_norm, eps)
+    mixed = _mixer(layer, variant, h, batch, store, cos, sin, kernels)
+    h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_norm, eps)
+    return x + mlp(layer.mlp, variant, h, decode=batch.is_decode, kernels=kernels)
 
 
 # ---- gated attention ----------------------------------------------------------------------------
 
 
 def attention_projection(
-    w: AttentionLayerView, variant: Variant, x: Tensor, cos: Tensor, sin: Tensor
+    w: AttentionLayerView,
+    variant: Variant,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kernels: Kernels = REFERENCE,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [N, H] -> q [N, nH, D] (normed, roped), gate [N, nH*D], k [N, nKV, D] (normed, roped), v."""
     n, eps = x.shape[0], variant.rms_norm_eps
-    q, gate = split_q_gate(F.linear(x, w.q_proj), variant.num_attention_heads, variant.head_dim)
-    k = F.linear(x, w.k_proj).view(n, variant.num_kv_heads, variant.head_dim)
-    v = F.linear(x, w.v_proj).view(n, variant.num_kv_heads, variant.head_dim)
-    q = apply_partial_rope(rms_norm(q, w.q_norm, eps), cos, sin)
-    k = apply_partial_rope(rms_norm(k, w.k_norm, eps), cos, sin)
+    if w.qkv_proj is not None:  # one GEMM for the three projections
+        q_out, k, v = F.linear(x, w.qkv_proj).split([variant.q_proj_dim, variant.kv_dim, variant.kv_dim], -1)
+    else:
+        q_out, k, v = F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)
+    q, gate = split_q_gate(q_out, variant.num_attention_heads, variant.head_dim)
+    k = k.reshape(n, variant.num_kv_heads, variant.head_dim)
+    v = v.reshape(n, variant.num_kv_heads, variant.head_dim)
+    q = apply_partial_rope(kernels.rms_norm(q, w.q_norm, eps), cos, sin)
+    k = apply_partial_rope(kernels.rms_norm(k, w.k_norm, eps), cos, sin)
     return q, gate, k, v
 
 
@@ -261,15 +309,16 @@ def attention_mixer(
     v_pages: Tensor,
     cos: Tensor,
     sin: Tensor,
+    kernels: Kernels = REFERENCE,
 ) -> Tensor:
     """Gated attention over the paged KV of this layer; writes the new tokens' K/V first."""
-    q, gate, k, v = attention_projection(w, variant, x, cos, sin)
+    q, gate, k, v = attention_projection(w, variant, x, cos, sin, kernels)
     kv_write(k_pages, v_pages, k, v, batch.slot_mapping)
     scale = variant.head_dim**-0.5
     if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync)
-        o = paged_decode_attention(q, k_pages, v_pages, batch.block_table, batch.context_lens, scale)
+        o = kernels.decode_attention(q, k_pages, v_pages, batch.block_table, batch.context_lens, scale)
     else:
-        o = paged_attention(
+        o = kernels.prefill_attention(
             q, k_pages, v_pages, batch.block_table, batch.query_start, batch.context_lens, scale
         )
     return F.linear(gated_attention_output(o, gate), w.o_proj)
@@ -280,6 +329,10 @@ def attention_mixer(
 
 def gdn_projection(w: GdnLayerView, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [N, H] -> mixed_qkv [N, conv_dim] (to be convolved), z [N, value_dim], a [N, nv], b [N, nv]."""
+    if w.in_proj is not None:  # one GEMM for the four projections (stacked [qkv; z; b; a])
+        sizes = [w.in_proj_qkv.shape[0], w.in_proj_z.shape[0], w.in_proj_b.shape[0], w.in_proj_a.shape[0]]
+        mixed_qkv, z, b, a = F.linear(x, w.in_proj).split(sizes, dim=-1)
+        return mixed_qkv, z, a, b
     return (
         F.linear(x, w.in_proj_qkv),
         F.linear(x, w.in_proj_z),
@@ -293,19 +346,18 @@ def gdn_split_heads(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor,
 
     Key heads are repeated so that value head j reads key head j // (nv / nk).
     """
-    key_dim, nk, nv = variant.linear_key_dim, variant.linear_num_key_heads, variant.linear_num_value_heads
-    lead = conv_out.shape[:-1]
-    q, k, v = conv_out.split([key_dim, key_dim, variant.linear_value_dim], dim=-1)
-    q = q.reshape(*lead, nk, variant.linear_key_head_dim).repeat_interleave(nv // nk, dim=-2)
-    k = k.reshape(*lead, nk, variant.linear_key_head_dim).repeat_interleave(nv // nk, dim=-2)
-    return q, k, v.reshape(*lead, nv, variant.linear_value_head_dim)
+    q, k, v = split_conv_output(variant, conv_out)
+    group = variant.linear_num_value_heads // variant.linear_num_key_heads
+    return q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2), v
 
 
-def gdn_output(w: GdnLayerView, variant: Variant, o: Tensor, z: Tensor) -> Tensor:
+def gdn_output(
+    w: GdnLayerView, variant: Variant, o: Tensor, z: Tensor, kernels: Kernels = REFERENCE
+) -> Tensor:
     """Delta-rule output o [N, nv, dv] (fp32) -> gated norm with silu(z) -> out_proj -> [N, H]."""
     n, nv, dv = o.shape
     o = o.to(z.dtype)  # HF casts the kernel output to the model dtype before the norm
-    normed = gated_rms_norm(o, w.norm, z.view(n, nv, dv), variant.rms_norm_eps)
+    normed = kernels.gated_rms_norm(o, w.norm, z.reshape(n, nv, dv), variant.rms_norm_eps)
     return F.linear(normed.reshape(n, nv * dv), w.out_proj)
 
 
@@ -316,96 +368,52 @@ def gdn_mixer(
     batch: StepBatch,
     conv_slots: Tensor,
     rec_slots: Tensor,
+    kernels: Kernels = REFERENCE,
 ) -> Tensor:
     """Gated DeltaNet over the batch; reads each row's state slot, writes its final state slot.
 
     conv_slots [S, conv_dim, K-1] and rec_slots [S, nv, dk, dv] are this layer's slices of the store.
     """
     mixed_qkv, z, a, b = gdn_projection(w, x)
-    g, beta = gdn_gating(a, b, w.A_log, w.dt_bias)
-    # gather every row's starting state before any write (a row may write the slot another row reads)
-    keep = ~batch.fresh
-    conv_in = torch.where(keep[:, None, None], conv_slots.index_select(0, batch.state_in), 0)
-    rec_in = torch.where(keep[:, None, None, None], rec_slots.index_select(0, batch.state_in), 0)
-
-    if batch.is_decode:
-        o, conv_out_state, rec_out = _gdn_decode(w, variant, mixed_qkv, g, beta, conv_in, rec_in)
-    else:
-        o, conv_out_state, rec_out = _gdn_varlen(w, variant, batch, mixed_qkv, g, beta, conv_in, rec_in)
-
-    conv_slots.index_copy_(0, batch.state_out, conv_out_state.to(conv_slots.dtype))
-    rec_slots.index_copy_(0, batch.state_out, rec_out)
-    return gdn_output(w, variant, o, z)
-
-
-def _gdn_decode(
-    w: GdnLayerView,
-    variant: Variant,
-    mixed_qkv: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    conv_in: Tensor,
-    rec_in: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One token per row, all rows at once: rows are the batch dim of the conv step and the recurrence."""
-    conv_out, conv_state = causal_conv1d_update(mixed_qkv, conv_in, w.conv_weight)  # [B, C]
-    q, k, v = gdn_split_heads(variant, conv_out.unsqueeze(1))  # [B, T=1, nv, d]
-    o, rec_state = recurrent_gated_delta_rule(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), rec_in)
-    return o[:, 0], conv_state, rec_state
-
-
-def _gdn_varlen(
-    w: GdnLayerView,
-    variant: Variant,
-    batch: StepBatch,
-    mixed_qkv: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    conv_in: Tensor,
-    rec_in: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows of any length: per-row conv + chunked delta rule (one-token rows take the step path)."""
-    bounds = batch.query_start.tolist()  # host sync: only on the prefill / mixed path
-    outputs, conv_states, rec_states = [], [], []
-    for row in range(batch.num_rows):
-        start, end = bounds[row], bounds[row + 1]
-        if end - start < 1:
-            raise ValueError(f"row {row} has no tokens (query_start {bounds})")
-        rows = slice(row, row + 1)
-        if end - start == 1:
-            o, conv_state, rec_state = _gdn_decode(
-                w, variant, mixed_qkv[start:end], g[start:end], beta[start:end], conv_in[rows], rec_in[rows]
-            )
-        else:
-            conv_out, conv_state = causal_conv1d(mixed_qkv[start:end], w.conv_weight, conv_in[row])
-            q, k, v = gdn_split_heads(variant, conv_out)  # [T, nv, d]
-            o, rec_state = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], rec_in[row])
-            conv_state, rec_state = conv_state.unsqueeze(0), rec_state.unsqueeze(0)
-        outputs.append(o)
-        conv_states.append(conv_state)
-        rec_states.append(rec_state)
-    return torch.cat(outputs), torch.cat(conv_states), torch.cat(rec_states)
+    step = kernels.gdn_decode if batch.is_decode else kernels.gdn_prefill
+    o = step(w, variant, mixed_qkv, a, b, conv_slots, rec_slots, batch)
+    return gdn_output(w, variant, o, z, kernels)
 
 
 # ---- MLP ------------------------------------------------------------------------------------------
 
 
-def mlp(w: DenseMlpView | MoeMlpView, variant: Variant, x: Tensor, *, decode: bool = False) -> Tensor:
-    """Post-mixer MLP: dense SwiGLU, or routed experts plus the gated shared expert.
+def mlp(
+    w: DenseMlpView | MoeMlpView,
+    variant: Variant,
+    x: Tensor,
+    *,
+    decode: bool = False,
+    kernels: Kernels = REFERENCE,
+) -> Tensor:
+    """Post-mixer MLP: dense SwiGLU, or routed experts plus the sigmoid-gated shared expert.
 
-    ``decode`` (a few tokens, one per row) takes the MoE path with static shapes and no host sync.
+    ``decode`` (a few tokens, one per row) asks the MoE experts for their static-shape, no-sync form.
     """
     if isinstance(w, MoeMlpView):
-        return moe_block(
-            x,
-            w.router,
-            w.gate_up,
-            w.down,
-            w.shared_gate_proj,
-            w.shared_up_proj,
-            w.shared_down_proj,
-            w.shared_expert_gate,
-            variant.num_experts_per_tok,
-            graph_safe=decode,
-        )
-    return swiglu_mlp(x, w.gate_proj, w.up_proj, w.down_proj)
+        return _moe_mlp(w, variant, x, decode, kernels)
+    if w.gate_up_proj is not None:
+        gate, up = F.linear(x, w.gate_up_proj).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(x, w.gate_proj), F.linear(x, w.up_proj)
+    return F.linear(kernels.swiglu(gate, up), w.down_proj)
+
+
+def _moe_mlp(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool, kernels: Kernels) -> Tensor:
+    """HF `Qwen3_5MoeSparseMoeBlock`: routed top-k experts + sigmoid(gate) * shared SwiGLU expert."""
+    num_experts, shared = w.router.shape[0], w.shared_gate_proj.shape[0]
+    if w.input_proj is not None:  # one GEMM: router and shared-expert gate/up projections
+        router_logits, gate, up = F.linear(x, w.input_proj).split([num_experts, shared, shared], dim=-1)
+    else:
+        router_logits = F.linear(x, w.router.to(x.dtype))
+        gate, up = F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj)
+    gate_logit = F.linear(x, w.shared_expert_gate.to(x.dtype))
+    weights, expert_ids = moe_route_logits(router_logits, variant.num_experts_per_tok)
+    routed = kernels.moe_experts(x, weights, expert_ids, w.gate_up, w.down, decode)
+    shared_out = F.linear(kernels.swiglu(gate, up), w.shared_down_proj)
+    return (routed.float() + torch.sigmoid(gate_logit.float()) * shared_out.float()).to(x.dtype)

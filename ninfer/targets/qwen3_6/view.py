@@ -38,6 +38,7 @@ __all__ = [
     "ModelView",
     "ModelViewError",
     "place_tensor",
+    "stacked_rows",
 ]
 
 
@@ -56,6 +57,7 @@ class AttentionLayerView:
     o_proj: Tensor  # [H, nH * D]
     q_norm: Tensor  # [D], zero-centred
     k_norm: Tensor  # [D], zero-centred
+    qkv_proj: Tensor | None = None  # [q_proj; k_proj; v_proj] when the binder stacked them (one GEMM)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +73,7 @@ class GdnLayerView:
     A_log: Tensor  # [nv], fp32
     norm: Tensor  # [dv], plain (not zero-centred) gated-norm weight
     out_proj: Tensor  # [H, value_dim]
+    in_proj: Tensor | None = None  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a] when stacked
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +81,7 @@ class DenseMlpView:
     gate_proj: Tensor  # [I, H]
     up_proj: Tensor  # [I, H]
     down_proj: Tensor  # [H, I]
+    gate_up_proj: Tensor | None = None  # [gate_proj; up_proj] when stacked
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +95,8 @@ class MoeMlpView:
     shared_up_proj: Tensor  # [S, H]
     shared_down_proj: Tensor  # [H, S]
     shared_expert_gate: Tensor  # [1, H]
+    # [router; shared_gate_proj; shared_up_proj] when stacked: the MoE input's projections in one GEMM
+    input_proj: Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,6 +234,26 @@ def place_tensor(
     return tensor.to(device=device, dtype=target)
 
 
+def stacked_rows(parts: tuple[Tensor, ...]) -> Tensor | None:
+    """The one matrix whose consecutive row blocks are ``parts``, if they are laid out so; else None.
+
+    The binder places each `fused_row_groups` group in one buffer; a view bound from tensors laid out
+    any other way (a CPU mmap, a test's dict) simply has no stacked matrix and runs one GEMM per part.
+    """
+    first = parts[0]
+    if first.dim() != 2 or not all(p.dim() == 2 and p.is_contiguous() for p in parts):
+        return None
+    cols, dtype, storage = first.shape[1], first.dtype, first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for part in parts:
+        same = part.dtype == dtype and part.shape[1] == cols and part.device == first.device
+        if not same or part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
+            return None
+        offset += part.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, cols), (cols, 1), first.storage_offset())
+
+
 def _check_against_schema(schema: list[WeightSpec], tensors: Mapping[str, Tensor]) -> None:
     expected = {spec.name: spec.shape for spec in schema}
     missing = [name for name in expected if name not in tensors]
@@ -250,23 +276,27 @@ def _check_against_schema(schema: list[WeightSpec], tensors: Mapping[str, Tensor
 
 def _attention_view(p: str, t: _Getter) -> AttentionLayerView:
     a = f"{p}self_attn."
+    q, k, v = t(f"{a}q_proj.weight"), t(f"{a}k_proj.weight"), t(f"{a}v_proj.weight")
     return AttentionLayerView(
-        q_proj=t(f"{a}q_proj.weight"),
-        k_proj=t(f"{a}k_proj.weight"),
-        v_proj=t(f"{a}v_proj.weight"),
+        q_proj=q,
+        k_proj=k,
+        v_proj=v,
         o_proj=t(f"{a}o_proj.weight"),
         q_norm=t(f"{a}q_norm.weight"),
         k_norm=t(f"{a}k_norm.weight"),
+        qkv_proj=stacked_rows((q, k, v)),
     )
 
 
 def _gdn_view(p: str, t: _Getter) -> GdnLayerView:
     g = f"{p}linear_attn."
+    parts = tuple(t(f"{g}{n}.weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
     return GdnLayerView(
-        in_proj_qkv=t(f"{g}in_proj_qkv.weight"),
-        in_proj_z=t(f"{g}in_proj_z.weight"),
-        in_proj_b=t(f"{g}in_proj_b.weight"),
-        in_proj_a=t(f"{g}in_proj_a.weight"),
+        in_proj_qkv=parts[0],
+        in_proj_z=parts[1],
+        in_proj_b=parts[2],
+        in_proj_a=parts[3],
+        in_proj=stacked_rows(parts),
         conv_weight=t(f"{g}conv1d.weight").squeeze(1),
         dt_bias=t(f"{g}dt_bias"),
         A_log=t(f"{g}A_log"),
@@ -278,19 +308,24 @@ def _gdn_view(p: str, t: _Getter) -> GdnLayerView:
 def _mlp_view(variant: Variant, p: str, t: _Getter) -> DenseMlpView | MoeMlpView:
     m = f"{p}mlp."
     if not variant.moe:
+        gate, up = t(f"{m}gate_proj.weight"), t(f"{m}up_proj.weight")
         return DenseMlpView(
-            gate_proj=t(f"{m}gate_proj.weight"),
-            up_proj=t(f"{m}up_proj.weight"),
+            gate_proj=gate,
+            up_proj=up,
             down_proj=t(f"{m}down_proj.weight"),
+            gate_up_proj=stacked_rows((gate, up)),
         )
+    router, shared_gate = t(f"{m}gate.weight"), t(f"{m}shared_expert_gate.weight")
+    gate, up = t(f"{m}shared_expert.gate_proj.weight"), t(f"{m}shared_expert.up_proj.weight")
     return MoeMlpView(
-        router=t(f"{m}gate.weight"),
+        router=router,
         gate_up=t(f"{m}experts.gate_up_proj"),
         down=t(f"{m}experts.down_proj"),
-        shared_gate_proj=t(f"{m}shared_expert.gate_proj.weight"),
-        shared_up_proj=t(f"{m}shared_expert.up_proj.weight"),
+        shared_gate_proj=gate,
+        shared_up_proj=up,
         shared_down_proj=t(f"{m}shared_expert.down_proj.weight"),
-        shared_expert_gate=t(f"{m}shared_expert_gate.weight"),
+        shared_expert_gate=shared_gate,
+        input_proj=stacked_rows((router, gate, up)),
     )
 
 

@@ -144,3 +144,34 @@ def weight_schema(v: Variant) -> list[WeightSpec]:
     if v.vision is not None:
         out += _vision(v)
     return out
+
+
+# Projections that read the same input, in the row order the binder stacks them into one device buffer
+# so that one GEMM computes them all (a decode step is a sequence of GEMVs: one launch and one pass over
+# the input instead of two to four). Members keep their schema names: each is a row block of the buffer.
+_ROW_GROUPS_ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_ROW_GROUPS_GDN = (
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_b.weight",
+    "linear_attn.in_proj_a.weight",
+)
+_ROW_GROUPS_DENSE = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+# (the 1-row shared_expert_gate stays out: E + 1 + 2S rows would make the output rows misaligned for the
+# GEMM, which then takes a slow unaligned kernel)
+_ROW_GROUPS_MOE = (
+    "mlp.gate.weight",
+    "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight",
+)
+
+
+def fused_row_groups(v: Variant) -> list[tuple[str, ...]]:
+    """Text-model weight groups the binder lays out as consecutive row blocks of one buffer."""
+    groups: list[tuple[str, ...]] = []
+    for i, kind in enumerate(v.layer_types):
+        p = f"layers.{i}."
+        mixer = _ROW_GROUPS_ATTENTION if kind == "full_attention" else _ROW_GROUPS_GDN
+        groups.append(tuple(p + name for name in mixer))
+        groups.append(tuple(p + name for name in (_ROW_GROUPS_MOE if v.moe else _ROW_GROUPS_DENSE)))
+    return groups

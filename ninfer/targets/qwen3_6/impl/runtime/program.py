@@ -50,6 +50,7 @@ from ninfer.runtime.contract.types import (
 from ninfer.targets.qwen3_6.impl.runtime.graphs import DecodeGraphs
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
+from ninfer.targets.qwen3_6.kernels import select_kernels
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
@@ -66,6 +67,7 @@ class ProgramConfig:
     device: torch.device
     dtype: torch.dtype
     cuda_graphs: bool = False  # capture the decode unit per exact B (CUDA only)
+    kernels: str = "auto"  # op implementations (kernels.select_kernels)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Qwen36Program:
         self.view = view
         self.config = config
         self.owner = next(_program_ids)
+        self.kernels = select_kernels(config.device, config.kernels)  # once, for the Program's life
         n = config.max_concurrency
         self._max_pages_per_seq = -(-config.max_context // config.page_size)
         self._slots = IndexPool(2 * n, "state slot")  # current + spare per sequence
@@ -390,11 +393,13 @@ class Qwen36Program:
         batch = self._steps.build(seqs, inputs, write_spare=write_spare)
         if self._graphs is not None and logits == "last" and batch.is_decode:
             return self._graphs.run(batch)
-        return forward(self.view, self.variant, batch, self.store, logits=logits).logits
+        return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels).logits
 
     def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
         """The unit a decode graph captures: one token per row in, last-token logits out."""
-        logits = forward(self.view, self.variant, batch, self.store, logits="last").logits
+        logits = forward(
+            self.view, self.variant, batch, self.store, logits="last", kernels=self.kernels
+        ).logits
         assert logits is not None
         return logits
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ninfer.runtime.contract.types import TopLogprobs, WindowScores
+from ninfer.targets.qwen3_6.kernels import select_kernels
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
@@ -32,8 +33,10 @@ class Qwen36ScoringProgram:
         page_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: str = "auto",
     ) -> None:
         self.variant = variant
+        self.kernels = select_kernels(device, kernels)
         self.view = view
         self.window = window
         self.device = device
@@ -71,8 +74,11 @@ class Qwen36ScoringProgram:
             state_in=torch.zeros(1, dtype=torch.long, device=dev),
             state_out=torch.zeros(1, dtype=torch.long, device=dev),
             fresh=torch.ones(1, dtype=torch.bool, device=dev),
+            query_start_host=(0, n),
         )
-        hidden = forward(self.view, self.variant, batch, self.store, logits="none").hidden
+        hidden = forward(
+            self.view, self.variant, batch, self.store, logits="none", kernels=self.kernels
+        ).hidden
         lm_head = self.view.text.lm_head
         logprobs: list[float] = []
         top: list[TopLogprobs] = []

@@ -68,4 +68,5 @@ class StepBuilder:
             state_in=state_in,
             state_out=state_out,
             fresh=fresh.bool(),
+            query_start_host=tuple(query_start),
         )

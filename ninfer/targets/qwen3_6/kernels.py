@@ -1,0 +1,338 @@
+"""The op implementations one Program runs, chosen once at its construction: reference or fast.
+
+`forward` (model.py) calls every semantically closed op through a `Kernels` table instead of importing
+it, so the same model code runs the plain-PyTorch reference (`REFERENCE`: CPU, tests, the oracle) or
+the fast GPU ops (`fast_kernels()`: Triton kernels in `ninfer.ops.triton`, fla-core's chunked delta rule
+and conv for prefill, SDPA for prefill attention). Each fast op equals its reference op on the same
+inputs (tests/ops, `gpu` tests); `forward` does not know which table it runs.
+
+The GDN entries take a whole layer's step because their fast forms fuse what the reference does in
+several ops (gather the state slots, conv, gating, l2norm, recurrence, scatter) into one or two
+launches that update the state pool in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops.attention import paged_attention
+from ninfer.ops.attention import paged_decode_attention as reference_decode_attention
+from ninfer.ops.conv import causal_conv1d, causal_conv1d_update
+from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
+from ninfer.ops.mlp import swiglu
+from ninfer.ops.moe import _moe_experts_fp32, moe_experts_gathered
+from ninfer.ops.norm import gated_rms_norm, rms_norm
+
+if TYPE_CHECKING:
+    from ninfer.targets.qwen3_6.model import StepBatch
+    from ninfer.targets.qwen3_6.variant import Variant
+    from ninfer.targets.qwen3_6.view import GdnLayerView
+
+Tensor = torch.Tensor
+
+__all__ = ["Kernels", "REFERENCE", "fast_kernels", "select_kernels"]
+
+
+# (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch) -> o [N, nv, dv]
+GdnStep = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, Tensor, Tensor, "StepBatch"], Tensor]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation per op; `name` says which table (logged, shown by bench)."""
+
+    name: str
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
+    swiglu: Callable[[Tensor, Tensor], Tensor]  # (gate, up) -> silu(gate) * up
+    gdn_decode: GdnStep  # one token per row (N == B): graph-capturable
+    gdn_prefill: GdnStep  # rows of any length
+    # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale) -> [B, nH, D]: graph-capturable
+    decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    # (q [N, nH, D], k_pages, v_pages, block_table, query_start, context_lens, scale) -> [N, nH, D]
+    prefill_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    # (x [N, H], weights [N, k], expert_ids [N, k], gate_up, down, decode) -> [N, H] (fp32 or x's dtype)
+    moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, bool], Tensor]
+
+
+# ---- reference compositions ---------------------------------------------------------------------
+
+
+def _reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def split_conv_output(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv output [..., conv_dim] -> q, k [..., nk, dk], v [..., nv, dv] (views, key heads unrepeated)."""
+    key_dim = variant.linear_key_dim
+    q, k, v = conv_out.split([key_dim, key_dim, variant.linear_value_dim], dim=-1)
+    nk, nv = variant.linear_num_key_heads, variant.linear_num_value_heads
+    return (
+        q.unflatten(-1, (nk, variant.linear_key_head_dim)),
+        k.unflatten(-1, (nk, variant.linear_key_head_dim)),
+        v.unflatten(-1, (nv, variant.linear_value_head_dim)),
+    )
+
+
+def _repeat_key_heads(variant: Variant, x: Tensor) -> Tensor:
+    """Key heads repeated so that value head j reads key head j // (nv / nk)."""
+    return x.repeat_interleave(variant.linear_num_value_heads // variant.linear_num_key_heads, dim=-2)
+
+
+def _gathered_states(batch: StepBatch, conv_slots: Tensor, rec_slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Every row's starting state, read before any write (a row may write the slot another row reads)."""
+    keep = ~batch.fresh
+    conv_in = torch.where(keep[:, None, None], conv_slots.index_select(0, batch.state_in), 0)
+    rec_in = torch.where(keep[:, None, None, None], rec_slots.index_select(0, batch.state_in), 0)
+    return conv_in, rec_in
+
+
+def _reference_gdn_rows(
+    w: GdnLayerView,
+    variant: Variant,
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_in: Tensor,
+    rec_in: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One token per row, all rows at once -> (o [B, nv, dv] fp32, conv state, recurrent state)."""
+    g, beta = gdn_gating(a, b, w.A_log, w.dt_bias)
+    conv_out, conv_state = causal_conv1d_update(mixed_qkv, conv_in, w.conv_weight)
+    q, k, v = split_conv_output(variant, conv_out.unsqueeze(1))  # [B, T=1, heads, d]
+    q, k = _repeat_key_heads(variant, q), _repeat_key_heads(variant, k)
+    o, rec_state = recurrent_gated_delta_rule(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), rec_in)
+    return o[:, 0], conv_state, rec_state
+
+
+def _reference_gdn_decode(
+    w: GdnLayerView,
+    variant: Variant,
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_slots: Tensor,
+    rec_slots: Tensor,
+    batch: StepBatch,
+) -> Tensor:
+    conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
+    o, conv_state, rec_state = _reference_gdn_rows(w, variant, mixed_qkv, a, b, conv_in, rec_in)
+    conv_slots.index_copy_(0, batch.state_out, conv_state.to(conv_slots.dtype))
+    rec_slots.index_copy_(0, batch.state_out, rec_state)
+    return o
+
+
+def _reference_gdn_prefill(
+    w: GdnLayerView,
+    variant: Variant,
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_slots: Tensor,
+    rec_slots: Tensor,
+    batch: StepBatch,
+) -> Tensor:
+    """Per row: causal conv + chunked delta rule (one-token rows take the step path)."""
+    conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
+    bounds = batch.query_bounds()
+    outputs, conv_states, rec_states = [], [], []
+    for row in range(batch.num_rows):
+        start, end = bounds[row], bounds[row + 1]
+        if end - start < 1:
+            raise ValueError(f"row {row} has no tokens (query_start {bounds})")
+        rows, tokens = slice(row, row + 1), slice(start, end)
+        if end - start == 1:
+            o, conv_state, rec_state = _reference_gdn_rows(
+                w, variant, mixed_qkv[tokens], a[tokens], b[tokens], conv_in[rows], rec_in[rows]
+            )
+        else:
+            g, beta = gdn_gating(a[tokens], b[tokens], w.A_log, w.dt_bias)
+            conv_out, conv_state = causal_conv1d(mixed_qkv[tokens], w.conv_weight, conv_in[row])
+            q, k, v = split_conv_output(variant, conv_out)  # [T, heads, d]
+            q, k = _repeat_key_heads(variant, q), _repeat_key_heads(variant, k)
+            o, rec_state = chunk_gated_delta_rule(q, k, v, g, beta, rec_in[row])
+            conv_state, rec_state = conv_state.unsqueeze(0), rec_state.unsqueeze(0)
+        outputs.append(o)
+        conv_states.append(conv_state)
+        rec_states.append(rec_state)
+    conv_slots.index_copy_(0, batch.state_out, torch.cat(conv_states).to(conv_slots.dtype))
+    rec_slots.index_copy_(0, batch.state_out, torch.cat(rec_states))
+    return torch.cat(outputs)
+
+
+def _reference_moe_experts(
+    x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, decode: bool
+) -> Tensor:
+    """Decode: the gathered path (static shapes, no host sync); prefill: the per-expert loop."""
+    experts = moe_experts_gathered if decode else _moe_experts_fp32
+    return experts(x, weights, expert_ids, gate_up, down)
+
+
+REFERENCE = Kernels(
+    name="reference",
+    rms_norm=rms_norm,
+    add_rms_norm=_reference_add_rms_norm,
+    gated_rms_norm=gated_rms_norm,
+    swiglu=swiglu,
+    gdn_decode=_reference_gdn_decode,
+    gdn_prefill=_reference_gdn_prefill,
+    decode_attention=reference_decode_attention,
+    prefill_attention=paged_attention,
+    moe_experts=_reference_moe_experts,
+)
+
+
+# ---- fast compositions (CUDA) -------------------------------------------------------------------
+
+
+def _fast_gdn_decode(
+    w: GdnLayerView,
+    variant: Variant,
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_slots: Tensor,
+    rec_slots: Tensor,
+    batch: StepBatch,
+) -> Tensor:
+    """Two launches, both updating the pools in place: conv step over the slots, then the recurrence."""
+    from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
+    from ninfer.ops.triton.gdn_decode import gdn_decode_step
+
+    conv_out = causal_conv1d_update_slots(
+        mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh
+    )
+    q, k, v = split_conv_output(variant, conv_out)
+    return gdn_decode_step(
+        q, k, v, a, b, w.A_log, w.dt_bias, rec_slots, batch.state_in, batch.state_out, fresh=batch.fresh
+    )
+
+
+def _fast_gdn_prefill(
+    w: GdnLayerView,
+    variant: Variant,
+    mixed_qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_slots: Tensor,
+    rec_slots: Tensor,
+    batch: StepBatch,
+) -> Tensor:
+    """fla-core varlen conv and chunked delta rule over all rows at once (gating and l2norm in-kernel)."""
+    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
+    cu_seqlens = batch.query_start
+    cu_seqlens_cpu = torch.tensor(batch.query_bounds(), dtype=torch.int32)
+    # fla keeps a conv window of the kernel's full width K (its first column unused here); ours holds K-1
+    conv_out, conv_final = fla_causal_conv1d(
+        mixed_qkv.contiguous().unsqueeze(0),
+        w.conv_weight,
+        initial_state=F.pad(conv_in, (1, 0)),
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu_seqlens,
+    )
+    q, k, v = split_conv_output(variant, conv_out)  # [1, N, heads, d]
+    g, beta = gdn_gating(a, b, w.A_log, w.dt_bias)
+    o, rec_final = fla_chunk_gated_delta_rule(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.unsqueeze(0),
+        beta.unsqueeze(0),
+        initial_state=rec_in,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    conv_slots.index_copy_(0, batch.state_out, conv_final[..., 1:].to(conv_slots.dtype))
+    rec_slots.index_copy_(0, batch.state_out, rec_final.float())
+    return o[0].float()
+
+
+def _sdpa_prefill_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_table: Tensor,
+    query_start: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    page_size, n_kv = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // n_kv
+    out = torch.empty_like(q)
+    starts, lengths = query_start.tolist(), context_lens.tolist()  # host sync: prefill path only
+    for row, context_len in enumerate(lengths):
+        q_row = q[starts[row] : starts[row + 1]]
+        n_queries = q_row.shape[0]
+        if n_queries == 0:
+            continue
+        pages = block_table[row, : -(-context_len // page_size)].long()
+        k = k_pages[pages].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)  # [L, nH, D]
+        v = v_pages[pages].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)
+        mask = causal_lower_right(n_queries, context_len) if n_queries < context_len else None
+        o = F.scaled_dot_product_attention(
+            q_row.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+        out[starts[row] : starts[row + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+def _fast_moe_experts(
+    x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, decode: bool
+) -> Tensor:
+    from ninfer.ops.triton.fused_moe import fused_moe
+
+    return fused_moe(x, gate_up, down, weights, expert_ids)
+
+
+def fast_kernels() -> Kernels:
+    """The CUDA table: every op that has a fast implementation takes it (imports Triton and fla-core)."""
+    from ninfer.ops.triton import norm as triton_norm
+    from ninfer.ops.triton.activation import swiglu as triton_swiglu
+    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
+
+    return replace(
+        REFERENCE,
+        name="fast",
+        rms_norm=triton_norm.rms_norm,
+        add_rms_norm=triton_norm.add_rms_norm,
+        gated_rms_norm=triton_norm.gated_rms_norm,
+        swiglu=triton_swiglu,
+        gdn_decode=_fast_gdn_decode,
+        gdn_prefill=_fast_gdn_prefill,
+        decode_attention=paged_decode_attention,
+        prefill_attention=_sdpa_prefill_attention,
+        moe_experts=_fast_moe_experts,
+    )
+
+
+def select_kernels(device: torch.device, requested: str = "auto") -> Kernels:
+    """``auto``: fast on CUDA, reference elsewhere; ``reference`` / ``fast`` force one table."""
+    if requested not in ("auto", "reference", "fast"):
+        raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', not {requested!r}")
+    if requested == "reference" or (requested == "auto" and device.type != "cuda"):
+        return REFERENCE
+    if device.type != "cuda":
+        raise ValueError("the fast kernels need a CUDA device")
+    return fast_kernels()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
+# and a one-line status to stdout. Steps: tests, fla, moe, small, bench35, bench27, profile35, profile27.
+# Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH FLA_FLASH_QLA=0
+BENCH="python3 -m ninfer bench --json"
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    info) nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__)' ;;
+    tests) timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops tests/sampling tests/model tests/gpu tests/engine tests/bench tests/targets tests/artifact ;;
+    opstests) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops ;;
+    fla) timeout 300 python3 -m tools.kernel_bench.fla_prefill ;;
+    moe) timeout 200 python3 -m tools.kernel_bench.fused_moe ;;
+    small) timeout 200 python3 -m tools.kernel_bench.small_ops ;;
+    bench35) timeout 400 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
+    bench27) timeout 500 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
+    bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
+    bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27.json" ;;
+    profile35) timeout 300 python3 -m tools.profile_step qwen3_6_35b_a3b ;;
+    profile27) timeout 300 python3 -m tools.profile_step qwen3_6_27b ;;
+    profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
+    fasttests) timeout 400 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu/test_fast_path.py tests/ops/test_triton_gdn_decode.py tests/ops/test_triton_conv_update.py tests/ops/test_triton_norm.py tests/ops/test_triton_fused_moe.py ;;
+    *) echo "unknown step $step"; continue ;;
+  esac > "$OUT/$step.log" 2>&1
+  rc=$?
+  echo "== $step rc=$rc $(( $(date +%s) - t0 ))s :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
+done

@@ -1,0 +1,165 @@
+"""Where a decode step's and a prefill chunk's GPU time goes: per-kernel-class breakdown of one forward.
+
+    python3 -m tools.profile_step PACKAGE [--kernels fast|reference] [--batch 1,8] [--context 2048]
+                                          [--prefill 2048]
+
+Random weights of the package's exact dims (as `ninfer bench --synthetic`), bf16 on CUDA, the model's
+`forward` over a state store sized for the batch. For each B: the decode step replayed from a CUDA graph
+(median of 50 replays: the step's device time without the Engine), then one eager step under the torch
+profiler, kernels summed by class. The same for one prefill chunk of ``--prefill`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections import defaultdict
+
+import torch
+
+from ninfer.targets.qwen3_6.binder import random_model_view
+from ninfer.targets.qwen3_6.kernels import select_kernels
+from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
+from ninfer.targets.registry import get_package
+
+# kernel-name patterns -> class, first match wins
+CLASSES = [
+    ("gemm", r"gemm|gemv|cutlass|sm90_xmma|nvjet|splitK|matmul"),
+    ("moe", r"moe|expert"),
+    ("gdn", r"gdn|delta|chunk_|recurrent|solve_tril|wy_|fwd_h|fwd_o|kkt|cumsum"),
+    ("conv", r"conv"),
+    ("attention", r"attn|attention|flash|fmha|paged|merge_splits|softmax"),
+    ("norm", r"norm|rsqrt"),
+    ("copy/index", r"copy|index|gather|scatter|cat|fill|Memcpy|Memset"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
+]
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.device) -> StepBatch:
+    """B rows of ``tokens`` new tokens each at the end of ``context`` positions; row r owns pages r*P.."""
+    pages = -(-context // page_size)
+    n = b * tokens
+    pos = torch.cat([torch.arange(context - tokens, context) for _ in range(b)]).to(device)
+    table = torch.arange(b * pages, dtype=torch.int32, device=device).view(b, pages)
+    slots = torch.cat([r * pages * page_size + torch.arange(context - tokens, context) for r in range(b)])
+    qs = list(range(0, n + 1, tokens))
+    return StepBatch(
+        token_ids=torch.randint(1000, 100000, (n,), device=device),
+        positions=pos.expand(3, -1),
+        query_start=torch.tensor(qs, dtype=torch.int32, device=device),
+        context_lens=torch.full((b,), context, dtype=torch.int32, device=device),
+        block_table=table,
+        slot_mapping=slots.to(device),
+        state_in=torch.arange(b, device=device),
+        state_out=torch.arange(b, 2 * b, device=device),
+        fresh=torch.zeros(b, dtype=torch.bool, device=device),
+        query_start_host=tuple(qs),
+    )
+
+
+def profile(fn, steps: int = 3) -> dict[str, float]:
+    """Kernel time per class (microseconds per call) over ``steps`` calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_class: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = event.device_time / steps
+            per_class[kernel_class(event.name)] += us
+            per_kernel[event.name[:90]] += us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {"classes": dict(sorted(per_class.items(), key=lambda kv: -kv[1])), "top": top}
+
+
+def graph_time_ms(fn, replays: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("package")
+    parser.add_argument("--kernels", default="fast")
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--prefill", type=int, default=2048)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    variant = get_package(args.package).variant
+    view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
+    kernels = select_kernels(device, args.kernels)
+    batches = [int(b) for b in args.batch.split(",")]
+    page_size, b_max = 64, max(batches)
+    pages = b_max * -(-max(args.context, args.prefill) // page_size)
+    store = StateStore.allocate(variant, 2 * b_max, pages, page_size, torch.bfloat16, device)
+    report: dict = {"package": args.package, "kernels": kernels.name, "decode": {}, "prefill": {}}
+    with torch.inference_mode():
+        for b in batches:
+            batch = make_batch(b, 1, args.context, page_size, device)
+
+            def step(batch: StepBatch = batch) -> None:
+                forward(view, variant, batch, store, logits="last", kernels=kernels)
+
+            ms = graph_time_ms(step)
+            report["decode"][b] = {"graph_ms": ms, **profile(step)}
+            print(f"decode B={b} ctx={args.context}: graph replay {ms:.3f} ms", flush=True)
+            for label, us in report["decode"][b]["classes"].items():
+                print(f"   {label:12s} {us:9.1f} us", flush=True)
+            for name, us in report["decode"][b]["top"]:
+                print(f"      {us:9.1f} us  {name}", flush=True)
+        batch = make_batch(1, args.prefill, args.prefill, page_size, device)
+
+        def chunk() -> None:
+            forward(view, variant, batch, store, logits="last", kernels=kernels)
+
+        chunk()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            chunk()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 3
+        report["prefill"] = {"tokens": args.prefill, "ms": ms, **profile(chunk, steps=1)}
+        print(f"prefill {args.prefill} tokens: {ms:.1f} ms ({args.prefill / ms * 1e3:.0f} tok/s)", flush=True)
+        for label, us in report["prefill"]["classes"].items():
+            print(f"   {label:12s} {us / 1e3:9.2f} ms", flush=True)
+        for name, us in report["prefill"]["top"]:
+            print(f"      {us / 1e3:9.2f} ms  {name}", flush=True)
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], f"profile_{args.package}_{kernels.name}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
