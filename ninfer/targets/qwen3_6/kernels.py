@@ -13,6 +13,7 @@ launches that update the state pool in place.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -312,6 +313,15 @@ def fast_kernels() -> Kernels:
     from ninfer.ops.triton.activation import swiglu as triton_swiglu
     from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
+    gdn_prefill = _fast_gdn_prefill
+    try:  # the `gpu` extra; without it prefill keeps the reference delta rule (correct, slower)
+        import fla  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            "fla-core is not installed (pip install 'ninfer[gpu]'): GDN prefill runs the reference op",
+            stacklevel=2,
+        )
+        gdn_prefill = _reference_gdn_prefill
     return replace(
         REFERENCE,
         name="fast",
@@ -320,7 +330,7 @@ def fast_kernels() -> Kernels:
         gated_rms_norm=triton_norm.gated_rms_norm,
         swiglu=triton_swiglu,
         gdn_decode=_fast_gdn_decode,
-        gdn_prefill=_fast_gdn_prefill,
+        gdn_prefill=gdn_prefill,
         decode_attention=paged_decode_attention,
         prefill_attention=_sdpa_prefill_attention,
         moe_experts=_fast_moe_experts,
