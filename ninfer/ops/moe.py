@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ninfer.ops.mlp import swiglu, swiglu_mlp
 
-__all__ = ["moe_route", "moe_route_logits", "moe_experts", "moe_block"]
+__all__ = ["moe_route", "moe_route_logits", "moe_experts", "moe_experts_fp32", "moe_block"]
 
 
 def moe_route(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +71,20 @@ def moe_experts_gathered(
     return (expert_out.float() * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
+def moe_experts_fp32(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    graph_safe: bool = False,
+) -> torch.Tensor:
+    """The routed experts' weighted sum in fp32 [N, H]: the per-expert loop, or with ``graph_safe`` the
+    gathered path (static shapes, no host sync) for few-token decode units."""
+    experts = moe_experts_gathered if graph_safe else _moe_experts_fp32
+    return experts(x, weights, expert_ids, gate_up, down)
+
+
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -99,8 +113,7 @@ def moe_block(
     ``graph_safe`` uses the gathered expert path (no host sync) for few-token decode units.
     """
     weights, expert_ids = moe_route(x, router_w, top_k)
-    experts = moe_experts_gathered if graph_safe else _moe_experts_fp32
-    routed = experts(x, weights, expert_ids, gate_up, down)
+    routed = moe_experts_fp32(x, weights, expert_ids, gate_up, down, graph_safe)
     shared = swiglu_mlp(x, shared_gate_w, shared_up_w, shared_down_w)
     shared_gate = torch.sigmoid(F.linear(x, shared_expert_gate_w.to(x.dtype)).float())
     return (routed + shared_gate * shared.float()).to(x.dtype)

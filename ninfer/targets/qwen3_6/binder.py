@@ -35,7 +35,7 @@ import torch
 from ninfer.artifact.loader import DEFAULT_STAGING_BYTES, LoadReport
 from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.variant import Variant
-from ninfer.targets.qwen3_6.view import ModelView, place_tensor
+from ninfer.targets.qwen3_6.view import ModelView, place_tensor, target_dtype
 from ninfer.targets.qwen3_6.weights import WeightSpec, fused_row_groups, weight_schema
 
 __all__ = [
@@ -87,7 +87,7 @@ def load_model(
         # absent names are reported, all at once, by from_tensors
         text = {spec.name: artifact.descriptor(spec.name) for spec in present if spec.group == "text"}
         targets = {
-            spec.name: _target_dtype(spec, text[spec.name].dtype, dtype)
+            spec.name: target_dtype(spec, text[spec.name].dtype, dtype)
             for spec in present
             if spec.name in text
         }
@@ -166,7 +166,7 @@ def random_model_view(
     slots = allocate_text_weights(
         variant,
         {name: spec.shape for name, spec in stacked.items()},
-        {name: _target_dtype(spec, torch.float32, dtype) for name, spec in stacked.items()},
+        {name: target_dtype(spec, torch.float32, dtype) for name, spec in stacked.items()},
         device,
     )
     tensors = {}
@@ -214,11 +214,6 @@ _RESIDUAL_OUTPUTS = (
     "down_proj.weight",  # dense MLP and shared expert
     "experts.down_proj",
 )
-
-
-def _target_dtype(spec: WeightSpec, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype `place_tensor` gives a tensor: fp32 when pinned, else ``dtype`` when given, else stored."""
-    return torch.float32 if spec.keep_fp32 else (dtype or stored)
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -26,7 +26,7 @@ from ninfer.ops.attention import paged_decode_attention as reference_decode_atte
 from ninfer.ops.conv import causal_conv1d, causal_conv1d_update
 from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
 from ninfer.ops.mlp import swiglu
-from ninfer.ops.moe import _moe_experts_fp32, moe_experts_gathered
+from ninfer.ops.moe import moe_experts_fp32
 from ninfer.ops.norm import gated_rms_norm, rms_norm
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["Kernels", "REFERENCE", "fast_kernels", "select_kernels"]
+__all__ = ["Kernels", "REFERENCE", "fast_kernels", "gdn_split_heads", "select_kernels", "split_conv_output"]
 
 
 # (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch) -> o [N, nv, dv]
@@ -59,7 +59,8 @@ class Kernels:
     decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
     # (q [N, nH, D], k_pages, v_pages, block_table, query_start, context_lens, scale) -> [N, nH, D]
     prefill_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
-    # (x [N, H], weights [N, k], expert_ids [N, k], gate_up, down, decode) -> [N, H] (fp32 or x's dtype)
+    # (x [N, H], weights [N, k], expert_ids [N, k], gate_up, down, graph_safe) -> [N, H] (fp32 or x's
+    # dtype); graph_safe: a decode unit, inside a CUDA graph (static shapes, no host sync)
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, bool], Tensor]
 
 
@@ -83,9 +84,14 @@ def split_conv_output(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tenso
     )
 
 
-def _repeat_key_heads(variant: Variant, x: Tensor) -> Tensor:
-    """Key heads repeated so that value head j reads key head j // (nv / nk)."""
-    return x.repeat_interleave(variant.linear_num_value_heads // variant.linear_num_key_heads, dim=-2)
+def gdn_split_heads(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv output [..., conv_dim] -> q, k [..., nv, dk], v [..., nv, dv] (the reference ops' layout).
+
+    Key heads are repeated so that value head j reads key head j // (nv / nk).
+    """
+    q, k, v = split_conv_output(variant, conv_out)
+    group = variant.linear_num_value_heads // variant.linear_num_key_heads
+    return q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2), v
 
 
 def _gathered_states(batch: StepBatch, conv_slots: Tensor, rec_slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,8 +114,7 @@ def _reference_gdn_rows(
     """One token per row, all rows at once -> (o [B, nv, dv] fp32, conv state, recurrent state)."""
     g, beta = gdn_gating(a, b, w.A_log, w.dt_bias)
     conv_out, conv_state = causal_conv1d_update(mixed_qkv, conv_in, w.conv_weight)
-    q, k, v = split_conv_output(variant, conv_out.unsqueeze(1))  # [B, T=1, heads, d]
-    q, k = _repeat_key_heads(variant, q), _repeat_key_heads(variant, k)
+    q, k, v = gdn_split_heads(variant, conv_out.unsqueeze(1))  # [B, T=1, nv, d]
     o, rec_state = recurrent_gated_delta_rule(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), rec_in)
     return o[:, 0], conv_state, rec_state
 
@@ -157,8 +162,7 @@ def _reference_gdn_prefill(
         else:
             g, beta = gdn_gating(a[tokens], b[tokens], w.A_log, w.dt_bias)
             conv_out, conv_state = causal_conv1d(mixed_qkv[tokens], w.conv_weight, conv_in[row])
-            q, k, v = split_conv_output(variant, conv_out)  # [T, heads, d]
-            q, k = _repeat_key_heads(variant, q), _repeat_key_heads(variant, k)
+            q, k, v = gdn_split_heads(variant, conv_out)  # [T, nv, d]
             o, rec_state = chunk_gated_delta_rule(q, k, v, g, beta, rec_in[row])
             conv_state, rec_state = conv_state.unsqueeze(0), rec_state.unsqueeze(0)
         outputs.append(o)
@@ -167,14 +171,6 @@ def _reference_gdn_prefill(
     conv_slots.index_copy_(0, batch.state_out, torch.cat(conv_states).to(conv_slots.dtype))
     rec_slots.index_copy_(0, batch.state_out, torch.cat(rec_states))
     return torch.cat(outputs)
-
-
-def _reference_moe_experts(
-    x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, decode: bool
-) -> Tensor:
-    """Decode: the gathered path (static shapes, no host sync); prefill: the per-expert loop."""
-    experts = moe_experts_gathered if decode else _moe_experts_fp32
-    return experts(x, weights, expert_ids, gate_up, down)
 
 
 REFERENCE = Kernels(
@@ -187,7 +183,7 @@ REFERENCE = Kernels(
     gdn_prefill=_reference_gdn_prefill,
     decode_attention=reference_decode_attention,
     prefill_attention=paged_attention,
-    moe_experts=_reference_moe_experts,
+    moe_experts=moe_experts_fp32,
 )
 
 
@@ -300,7 +296,7 @@ def _sdpa_prefill_attention(
 
 
 def _fast_moe_experts(
-    x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, decode: bool
+    x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, graph_safe: bool
 ) -> Tensor:
     from ninfer.ops.triton.fused_moe import fused_moe
 

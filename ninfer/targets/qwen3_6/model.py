@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
 from ninfer.ops.moe import moe_route_logits
 from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
-from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, split_conv_output
+from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
     AttentionLayerView,
@@ -339,16 +339,6 @@ def gdn_projection(w: GdnLayerView, x: Tensor) -> tuple[Tensor, Tensor, Tensor, 
         F.linear(x, w.in_proj_a),
         F.linear(x, w.in_proj_b),
     )
-
-
-def gdn_split_heads(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Conv output [..., conv_dim] -> q, k [..., nv, dk], v [..., nv, dv].
-
-    Key heads are repeated so that value head j reads key head j // (nv / nk).
-    """
-    q, k, v = split_conv_output(variant, conv_out)
-    group = variant.linear_num_value_heads // variant.linear_num_key_heads
-    return q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2), v
 
 
 def gdn_output(

@@ -39,6 +39,7 @@ __all__ = [
     "ModelViewError",
     "place_tensor",
     "stacked_rows",
+    "target_dtype",
 ]
 
 
@@ -230,8 +231,12 @@ def place_tensor(
     tensor: Tensor, spec: WeightSpec, device: torch.device | str | None, dtype: torch.dtype | None
 ) -> Tensor:
     """Move one schema tensor: fp32-pinned specs become fp32, the others take ``dtype`` when given."""
-    target = torch.float32 if spec.keep_fp32 else (dtype or tensor.dtype)
-    return tensor.to(device=device, dtype=target)
+    return tensor.to(device=device, dtype=target_dtype(spec, tensor.dtype, dtype))
+
+
+def target_dtype(spec: WeightSpec, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a schema tensor is bound in: fp32 when pinned, else ``dtype`` when given, else stored."""
+    return torch.float32 if spec.keep_fp32 else (dtype or stored)
 
 
 def stacked_rows(parts: tuple[Tensor, ...]) -> Tensor | None:
