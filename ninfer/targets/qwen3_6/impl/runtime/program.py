@@ -135,6 +135,8 @@ class Qwen36Program:
         self._open_txn: RunningTransaction | None = None
         self._open_pending: PendingBatch | None = None
         self._graphs: DecodeGraphs | None = None
+        self._sampling: SamplingBatch | None = None  # the last unit's rows' settings (see _sampling_batch)
+        self._sampling_rows: tuple[SequenceHandle, ...] = ()
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(
                 self._decode_logits, n, self._max_pages_per_seq, config.device, scratch_slot=0
@@ -406,8 +408,7 @@ class Qwen36Program:
     def _pending(
         self, kind: str, seqs: Sequence[SequenceState], logits: torch.Tensor, consumed: tuple[int, ...]
     ) -> PendingBatch:
-        params = [s.sampling for s in seqs]
-        batch = SamplingBatch.build(params, [s.seed for s in seqs], self.config.device, validated=True)
+        batch = self._sampling_batch(seqs)
         # the counter of a draw is the absolute position of the sampled token
         positions = torch.tensor(
             [s.frontier + c for s, c in zip(seqs, consumed)], dtype=torch.int64, device=self.config.device
@@ -442,6 +443,17 @@ class Qwen36Program:
         return self._open(
             PendingBatch(self.owner, next(self._batch_ids), kind, rows, _Provisional(kind, consumed))
         )
+
+    def _sampling_batch(self, seqs: Sequence[SequenceState]) -> SamplingBatch:
+        """The rows' sampling settings on the device, rebuilt only when the rows change: a request's
+        params and seed are fixed for its life, and steady decode repeats the same rows every step."""
+        key = tuple(s.handle for s in seqs)
+        if self._sampling_rows != key:
+            params, seeds = [s.sampling for s in seqs], [s.seed for s in seqs]
+            self._sampling = SamplingBatch.build(params, seeds, self.config.device, validated=True)
+            self._sampling_rows = key
+        assert self._sampling is not None
+        return self._sampling
 
     def _open(self, pending: PendingBatch) -> PendingBatch:
         self._open_pending = pending
