@@ -30,9 +30,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the GDN output (HF `Qwen3_5RMSNormGated`): y = w * (x / rms(x)) * silu(z).
 
-    Rounding order matches HF exactly: the normalised value is cast to x's dtype and multiplied by the
-    plain weight in the model dtype, then multiplied by silu(z) in fp32 and cast back to x's dtype.
+    x may be the recurrence's fp32 output: it is first cast to z's (the model's) dtype, as HF casts the
+    kernel output before the norm. Rounding order then matches HF exactly: the normalised value is cast
+    to that dtype and multiplied by the plain weight in the model dtype, then multiplied by silu(z) in
+    fp32 and cast back.
     """
+    x = x.to(z.dtype)
     normed = _rms_normalize_fp32(x, eps).to(x.dtype)
     weighted = weight * normed  # model-dtype multiply, as in HF (promotes if weight is wider)
     return (weighted * F.silu(z.float())).to(x.dtype)

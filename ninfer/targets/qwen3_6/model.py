@@ -346,7 +346,7 @@ def gdn_output(
 ) -> Tensor:
     """Delta-rule output o [N, nv, dv] (fp32) -> gated norm with silu(z) -> out_proj -> [N, H]."""
     n, nv, dv = o.shape
-    o = o.to(z.dtype)  # HF casts the kernel output to the model dtype before the norm
+    # the norm casts o to the model dtype first, as HF does (the fast kernel folds that cast in)
     normed = kernels.gated_rms_norm(o, w.norm, z.reshape(n, nv, dv), variant.rms_norm_eps)
     return F.linear(normed.reshape(n, nv * dv), w.out_proj)
 
