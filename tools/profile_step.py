@@ -27,11 +27,12 @@ from ninfer.targets.registry import get_package
 # kernel-name patterns -> class, first match wins
 CLASSES = [
     ("gemm", r"gemm|gemv|cutlass|sm90_xmma|nvjet|splitK|matmul"),
-    ("moe", r"moe|expert"),
+    ("moe", r"moe|expert|gate_up_kernel|down_kernel|down_combine|align_"),
     ("gdn", r"gdn|delta|chunk_|recurrent|solve_tril|wy_|fwd_h|fwd_o|kkt|cumsum"),
     ("conv", r"conv"),
     ("attention", r"attn|attention|flash|fmha|paged|merge_splits|softmax"),
     ("norm", r"norm|rsqrt"),
+    ("activation", r"swiglu|silu|sigmoid_gate"),
     ("copy/index", r"copy|index|gather|scatter|cat|fill|Memcpy|Memset"),
     ("elementwise", r"elementwise|vectorized|unrolled|reduce"),
 ]
