@@ -22,6 +22,7 @@ from ninfer.bench.startup import (
     start_synthetic,
 )
 from ninfer.targets.open import resolve_device, resolve_dtype
+from ninfer.targets.qwen3_6.kernels import kernels_name
 from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
 from ninfer.targets.registry import get_package
 from ninfer.types import EngineConfig
@@ -42,6 +43,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: bool = True
+    kernels: str = "auto"  # EngineConfig.kernels
     seed: int = 0  # random weights (synthetic) and prompt ids
     copy_bytes: int | None = None  # probe sizes (None: the device's default)
     matmul_n: int | None = None
@@ -73,6 +75,7 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         dtype=options.dtype,  # type: ignore[arg-type]
         prefill_chunk_tokens=plan.prefill_chunk,
         cuda_graphs=options.cuda_graphs,
+        kernels=options.kernels,  # type: ignore[arg-type]
         warmup=True,
     )
 
@@ -184,6 +187,7 @@ def build_report(
             "prefill_chunk": plan.prefill_chunk,
             "max_context": plan.max_context,
             "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
+            "kernels": kernels_name(started.device, options.kernels),
             "seed": options.seed,
         },
         assumptions=assumptions,

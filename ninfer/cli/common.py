@@ -17,6 +17,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-context", type=int, default=None, help="context limit per request (tokens)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_kernels_flag(p)
+
+
+def add_kernels_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "reference", "fast"],
+        default="auto",
+        help="op implementations (auto: the fast Triton/fla-core ops on CUDA, the reference ops on CPU)",
+    )
 
 
 def interactive_engine_config(args: argparse.Namespace) -> Any:
@@ -30,6 +40,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_context=args.max_context,
         cuda_graphs=not args.no_cuda_graphs,
+        kernels=args.kernels,
         warmup=False,
     )
 

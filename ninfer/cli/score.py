@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             purpose="causal_scoring",
             device=args.device,
             dtype=args.dtype,
+            kernels=args.kernels,
             score_window=window,
             score_stride=stride,
             warmup=False,

@@ -105,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "device": args.device,
         "dtype": args.dtype,
         "cuda_graphs": not args.no_cuda_graphs,
+        "kernels": args.kernels,
     }
     if args.purpose != "causal_scoring":
         if args.score_window is not None or args.score_stride is not None:

@@ -137,3 +137,9 @@ def test_default_prefill_length_is_capped_to_the_model_positions(capsys: pytest.
     assert _prefill_tokens(Namespace(prefill_tokens=None, decode_steps=64), 8192) == 8192 - 65
     assert "prefill uses 8127" in capsys.readouterr().err
     assert _prefill_tokens(Namespace(prefill_tokens=9000, decode_steps=64), 8192) == 9000  # refused later
+
+
+def test_demo_bench_names_its_kernels_and_weight_load(demo_report: tuple[dict, str]) -> None:
+    report, _ = demo_report
+    assert report["settings"]["kernels"] == "reference"  # auto on a CPU
+    assert "GB to cpu" in report["load"] and "GB/s" in report["load"]

@@ -63,3 +63,12 @@ def test_given_flags_win_over_the_model_defaults(
     assert (request.temperature, request.top_k, request.repetition_penalty) == (0.0, 0, 1.0)
     assert (sampling.temperature, sampling.top_k, sampling.repetition_penalty) == (0.0, 0, 1.0)
     assert sampling.top_p == 0.95  # a flag not given still takes the config's value
+
+
+def test_kernels_flag_reaches_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kernels reference` runs; `--kernels fast` on a CPU fails with one line naming what is missing."""
+    assert main([*BASE, "--kernels", "reference"]) == 0
+    capsys.readouterr()
+    rc = main([*BASE, "--kernels", "fast"])
+    _, err = capsys.readouterr()
+    assert rc == 1 and "the fast kernels need a CUDA device" in err

@@ -36,7 +36,15 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["Kernels", "REFERENCE", "fast_kernels", "gdn_split_heads", "select_kernels", "split_conv_output"]
+__all__ = [
+    "Kernels",
+    "REFERENCE",
+    "fast_kernels",
+    "gdn_split_heads",
+    "kernels_name",
+    "select_kernels",
+    "split_conv_output",
+]
 
 
 # (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch) -> o [N, nv, dv]
@@ -333,12 +341,18 @@ def fast_kernels() -> Kernels:
     )
 
 
-def select_kernels(device: torch.device, requested: str = "auto") -> Kernels:
-    """``auto``: fast on CUDA, reference elsewhere; ``reference`` / ``fast`` force one table."""
+def kernels_name(device: torch.device, requested: str = "auto") -> str:
+    """Which table ``requested`` means on ``device``: ``auto`` is ``fast`` on CUDA and ``reference``
+    elsewhere; ``reference`` / ``fast`` force one (``fast`` needs CUDA)."""
     if requested not in ("auto", "reference", "fast"):
         raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', not {requested!r}")
     if requested == "reference" or (requested == "auto" and device.type != "cuda"):
-        return REFERENCE
+        return "reference"
     if device.type != "cuda":
         raise ValueError("the fast kernels need a CUDA device")
-    return fast_kernels()
+    return "fast"
+
+
+def select_kernels(device: torch.device, requested: str = "auto") -> Kernels:
+    """The table `kernels_name` names, built once per Program."""
+    return REFERENCE if kernels_name(device, requested) == "reference" else fast_kernels()
