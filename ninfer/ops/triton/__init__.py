@@ -1,10 +1,17 @@
-"""Triton fast-path candidates for the reference Ops (GPU; tested on CPU under TRITON_INTERPRET=1).
+"""Triton fast implementations of the reference Ops (GPU; tested on CPU under TRITON_INTERPRET=1).
 
+Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels`):
 - gdn_decode: `gdn_decode_step`, the Gated DeltaNet recurrence for decode/verify rows, gating and q/k
-  l2norm in-kernel, state read from and written to the StateImage pool by slot index.
+  l2norm in-kernel, state read from and written to the state pool by slot index.
+- conv_update: `causal_conv1d_update_slots`, the GDN conv step over the slot pool, in place.
 - paged_decode_attention: `paged_decode_attention`, one query per row over paged K/V, GQA packed,
   optional split-KV.
+- norm: `rms_norm`, `add_rms_norm`, `gated_rms_norm`; activation: `swiglu`.
+- fused_moe: `fused_moe`, routed experts (sorted grouped GEMMs; a two-launch decode path).
 
-Candidates only: not selected by the Program until benchmarked on the GPU (docs/ops.md, "Candidates").
+Candidates, not yet selected (written and interpreter-tested; their `gpu` tests have not run yet):
+- attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
+  and `sigmoid_gate` (the attention output gate read in place from the projection output).
+
 Import the submodule you need; importing this package does not import triton.
 """

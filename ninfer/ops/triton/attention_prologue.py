@@ -15,7 +15,7 @@ Rounding follows the reference step by step: the norm is fp32 math rounded to th
 `rms_norm` returns), RoPE reads that rounded value, computes in fp32 and rounds to the model dtype again
 (`apply_partial_rope`), and K/V are then cast to the page dtype (`kv_write`). Rotate-half RoPE pairs dim
 i with dim i +- rotary_dim/2; rather than shuffling registers, each program re-reads the partner
-elements (a second, L1-resident load of the same 2*D-byte row) and normalises them with the same
+elements (a second, cache-resident load of the same row) and normalises them with the same
 1/rms, which gives exactly the partner's rounded normed value.
 
 One program owns one (token, head) row of D elements: heads 0..nH-1 are query heads, nH..nH+nKV-1 are
@@ -55,7 +55,7 @@ def _norm_rope_row(
     normed = ((x * inv_rms) * scale).to(MODEL_DTYPE).to(tl.float32)
 
     # rotate-half partner: dim i < R/2 pairs with i + R/2 (and enters negated), i in [R/2, R) with i - R/2
-    half: tl.constexpr = ROTARY_DIM // 2
+    half = ROTARY_DIM // 2  # constexpr arithmetic
     is_rotary = cols < ROTARY_DIM
     partner = tl.where(cols < half, cols + half, cols - half)
     partner_x = tl.load(row_ptr + partner, mask=is_rotary, other=0.0).to(tl.float32)

@@ -1,0 +1,165 @@
+"""Time the attention prologue/epilogue kernels against the reference composition, as CUDA-graph replays.
+
+    python3 -m tools.kernel_bench.attention_prologue
+
+Ops (`ninfer.ops.triton.attention_prologue`): `qk_norm_rope_kv_write` against the reference
+`split_q_gate` + q/k `rms_norm` + `apply_partial_rope` + `kv_write` of `attention_projection` /
+`attention_mixer`, and `sigmoid_gate` against `gated_attention_output` on the gate view. Decode sizes
+(N = 1, 8) are launch-bound, so both sides are captured in a CUDA graph and the replay is timed, as the
+decode step runs them. One line per shape: the Triton median time, the bytes it must move and the GB/s,
+the reference time, and the max relative error max|fast - ref| / max|ref|. A last line says whether
+every error is within the bf16 bound. With OUT set, the rows also go to $OUT/attention_prologue.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
+from ninfer.ops.norm import rms_norm
+from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
+from ninfer.ops.triton.attention_prologue import qk_norm_rope_kv_write, sigmoid_gate
+
+EPS = 1e-6
+BF16_BOUND = 1e-2
+BF16 = torch.bfloat16
+VARIANTS = {"27b": (24, 4), "35b-a3b": (16, 2)}  # (attention heads, kv heads)
+HEAD_DIM, ROTARY_DIM, PAGE_SIZE, NUM_PAGES = 256, 64, 16, 64
+DECODE_BATCHES = (1, 8)
+DEVICE = "cuda"
+
+
+def _time_us(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured once in a CUDA graph (after a warm-up run that compiles it); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _row(
+    op: str, variant: str, shape: tuple[int, ...], nbytes: int, fast_us: float, ref_us: float, error: float
+) -> dict[str, object]:
+    row = {
+        "op": op,
+        "variant": variant,
+        "shape": list(shape),
+        "triton_us": round(fast_us, 2),
+        "bytes": nbytes,
+        "GB/s": round(nbytes / fast_us / 1e3, 1),
+        "torch_us": round(ref_us, 2),
+        "speedup": round(ref_us / fast_us, 2),
+        "max_rel_err": error,
+    }
+    print(
+        f"{op:>22} {variant:>8} {str(tuple(shape)):>14}  triton {fast_us:7.2f} us  {nbytes / 1e3:8.1f} KB "
+        f"{row['GB/s']:7.1f} GB/s  torch(graph) {ref_us:7.2f} us  x{row['speedup']:<6} err {error:.2e}",
+        flush=True,
+    )
+    return row
+
+
+def bench(variant: str, n: int, nh: int, nkv: int) -> list[dict[str, object]]:
+    d = HEAD_DIM
+    width = nh * 2 * d + 2 * nkv * d
+    qkv = torch.randn(n, width, device=DEVICE).to(BF16)
+    q_norm = (torch.randn(d, device=DEVICE) * 0.5).to(BF16)
+    k_norm = (torch.randn(d, device=DEVICE) * 0.5).to(BF16)
+    positions = torch.randint(0, 100_000, (n,), device=DEVICE).expand(3, n)
+    cos, sin = mrope_cos_sin(positions, ROTARY_DIM, 1e7, (11, 11, 10))
+    slots = torch.randperm(NUM_PAGES * PAGE_SIZE, device=DEVICE)[:n].to(torch.int32)
+    pages_shape = (NUM_PAGES, PAGE_SIZE, nkv, d)
+    k_pages, v_pages = (
+        torch.zeros(pages_shape, dtype=BF16, device=DEVICE),
+        torch.zeros(pages_shape, dtype=BF16, device=DEVICE),
+    )
+    k_pages_ref, v_pages_ref = torch.zeros_like(k_pages), torch.zeros_like(v_pages)
+    o = torch.randn(n, nh, d, device=DEVICE).to(BF16)
+    q_out = torch.empty(n, nh, d, dtype=BF16, device=DEVICE)
+    gated = torch.empty(n, nh * d, dtype=BF16, device=DEVICE)
+    ref_out: dict[str, torch.Tensor] = {}
+
+    def fast_prologue() -> None:
+        qk_norm_rope_kv_write(
+            qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slots,
+            num_heads=nh, num_kv_heads=nkv, head_dim=d, eps=EPS, out=q_out,
+        )  # fmt: skip
+
+    def ref_prologue() -> None:  # attention_projection after its GEMM, then kv_write
+        q_proj_out, k, v = qkv.split([nh * 2 * d, nkv * d, nkv * d], -1)
+        q, gate = split_q_gate(q_proj_out, nh, d)
+        ref_out["q"] = apply_partial_rope(rms_norm(q, q_norm, EPS), cos, sin)
+        k = apply_partial_rope(rms_norm(k.reshape(n, nkv, d), k_norm, EPS), cos, sin)
+        kv_write(k_pages_ref, v_pages_ref, k, v.reshape(n, nkv, d), slots)
+        ref_out["gate"] = gate
+
+    def fast_gate() -> None:
+        sigmoid_gate(o, qkv, num_heads=nh, head_dim=d, out=gated)
+
+    def ref_gate() -> None:
+        ref_out["gated"] = gated_attention_output(o, split_q_gate(qkv[:, : nh * 2 * d], nh, d)[1])
+
+    replays = {name: _graphed(fn) for name, fn in [("fp", fast_prologue), ("rp", ref_prologue),
+                                                  ("fg", fast_gate), ("rg", ref_gate)]}  # fmt: skip
+    for replay in replays.values():
+        replay()
+    torch.cuda.synchronize()
+    flat_slots = slots.long()
+    prologue_error = max(
+        _max_rel_error(q_out, ref_out["q"]),
+        _max_rel_error(k_pages.view(-1, nkv, d)[flat_slots], k_pages_ref.view(-1, nkv, d)[flat_slots]),
+        _max_rel_error(v_pages.view(-1, nkv, d)[flat_slots], v_pages_ref.view(-1, nkv, d)[flat_slots]),
+    )
+    gate_error = _max_rel_error(gated, ref_out["gated"])
+
+    # bytes that must move: q/k/v read once (gate columns not), q and K/V written, cos/sin read
+    prologue_bytes = 2 * n * (nh * d + 2 * nkv * d) * 2 + 2 * n * ROTARY_DIM * 4 + 2 * d * 2
+    gate_bytes = 3 * n * nh * d * 2  # o and gate read, output written
+    return [
+        _row("qk_norm_rope_kv_write", variant, (n, nh, nkv, d), prologue_bytes,
+             _time_us(replays["fp"]), _time_us(replays["rp"]), prologue_error),
+        _row("sigmoid_gate", variant, (n, nh, d), gate_bytes,
+             _time_us(replays["fg"]), _time_us(replays["rg"]), gate_error),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    rows: list[dict[str, object]] = []
+    for variant, (nh, nkv) in VARIANTS.items():
+        for n in DECODE_BATCHES:
+            rows.extend(bench(variant, n, nh, nkv))
+    worst = max(rows, key=lambda row: float(row["max_rel_err"]))
+    passed = float(worst["max_rel_err"]) < BF16_BOUND
+    check = {"op": "check", "passed": passed, "worst_op": worst["op"], "worst_err": worst["max_rel_err"]}
+    print(
+        f"check: {'OK' if passed else 'FAIL'} (worst {worst['op']} {worst['variant']} {worst['shape']}: "
+        f"{float(worst['max_rel_err']):.2e}, bound {BF16_BOUND})",
+        flush=True,
+    )
+    rows.append(check)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention_prologue.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
