@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
-# and a one-line status to stdout. Steps: tests, fla, moe, small, bench35, bench27, profile35, profile27.
+# and a one-line status to stdout. Steps: see the case below (tests, fasttests, attn, fla, moe, moesweep,
+# small, bench35/27[full], profile35/27).
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
@@ -20,6 +21,8 @@ for step in "$@"; do
     fla) timeout 300 python3 -m tools.kernel_bench.fla_prefill ;;
     moe) timeout 200 python3 -m tools.kernel_bench.fused_moe ;;
     small) timeout 200 python3 -m tools.kernel_bench.small_ops ;;
+    attn) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_attention_prologue.py && timeout 120 python3 -m tools.kernel_bench.attention_prologue ;;
+    moesweep) timeout 200 python3 -m tools.kernel_bench.fused_moe --sweep ;;
     bench35) timeout 400 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
     bench27) timeout 500 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
     bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
