@@ -13,46 +13,20 @@ every error is within the bf16 bound. With OUT set, the rows also go to $OUT/att
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
-
 import torch
-import triton.testing
 
 from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
 from ninfer.ops.norm import rms_norm
 from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
 from ninfer.ops.triton.attention_prologue import qk_norm_rope_kv_write, sigmoid_gate
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
 
 EPS = 1e-6
-BF16_BOUND = 1e-2
 BF16 = torch.bfloat16
 VARIANTS = {"27b": (24, 4), "35b-a3b": (16, 2)}  # (attention heads, kv heads)
 HEAD_DIM, ROTARY_DIM, PAGE_SIZE, NUM_PAGES = 256, 64, 16, 64
 DECODE_BATCHES = (1, 8)
 DEVICE = "cuda"
-
-
-def _time_us(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
-def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn captured once in a CUDA graph (after a warm-up run that compiles it); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _row(
@@ -117,27 +91,27 @@ def bench(variant: str, n: int, nh: int, nkv: int) -> list[dict[str, object]]:
     def ref_gate() -> None:
         ref_out["gated"] = gated_attention_output(o, split_q_gate(qkv[:, : nh * 2 * d], nh, d)[1])
 
-    replays = {name: _graphed(fn) for name, fn in [("fp", fast_prologue), ("rp", ref_prologue),
+    replays = {name: graphed(fn) for name, fn in [("fp", fast_prologue), ("rp", ref_prologue),
                                                   ("fg", fast_gate), ("rg", ref_gate)]}  # fmt: skip
     for replay in replays.values():
         replay()
     torch.cuda.synchronize()
     flat_slots = slots.long()
     prologue_error = max(
-        _max_rel_error(q_out, ref_out["q"]),
-        _max_rel_error(k_pages.view(-1, nkv, d)[flat_slots], k_pages_ref.view(-1, nkv, d)[flat_slots]),
-        _max_rel_error(v_pages.view(-1, nkv, d)[flat_slots], v_pages_ref.view(-1, nkv, d)[flat_slots]),
+        max_rel_error(q_out, ref_out["q"]),
+        max_rel_error(k_pages.view(-1, nkv, d)[flat_slots], k_pages_ref.view(-1, nkv, d)[flat_slots]),
+        max_rel_error(v_pages.view(-1, nkv, d)[flat_slots], v_pages_ref.view(-1, nkv, d)[flat_slots]),
     )
-    gate_error = _max_rel_error(gated, ref_out["gated"])
+    gate_error = max_rel_error(gated, ref_out["gated"])
 
     # bytes that must move: q/k/v read once (gate columns not), q and K/V written, cos/sin read
     prologue_bytes = 2 * n * (nh * d + 2 * nkv * d) * 2 + 2 * n * ROTARY_DIM * 4 + 2 * d * 2
     gate_bytes = 3 * n * nh * d * 2  # o and gate read, output written
     return [
         _row("qk_norm_rope_kv_write", variant, (n, nh, nkv, d), prologue_bytes,
-             _time_us(replays["fp"]), _time_us(replays["rp"]), prologue_error),
+             time_us(replays["fp"]), time_us(replays["rp"]), prologue_error),
         _row("sigmoid_gate", variant, (n, nh, d), gate_bytes,
-             _time_us(replays["fg"]), _time_us(replays["rg"]), gate_error),
+             time_us(replays["fg"]), time_us(replays["rg"]), gate_error),
     ]  # fmt: skip
 
 
@@ -147,18 +121,7 @@ def main() -> None:
     for variant, (nh, nkv) in VARIANTS.items():
         for n in DECODE_BATCHES:
             rows.extend(bench(variant, n, nh, nkv))
-    worst = max(rows, key=lambda row: float(row["max_rel_err"]))
-    passed = float(worst["max_rel_err"]) < BF16_BOUND
-    check = {"op": "check", "passed": passed, "worst_op": worst["op"], "worst_err": worst["max_rel_err"]}
-    print(
-        f"check: {'OK' if passed else 'FAIL'} (worst {worst['op']} {worst['variant']} {worst['shape']}: "
-        f"{float(worst['max_rel_err']):.2e}, bound {BF16_BOUND})",
-        flush=True,
-    )
-    rows.append(check)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attention_prologue.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    finish("attention_prologue", rows)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,14 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 from ninfer.ops.conv import causal_conv1d
 from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating
+from tools.kernel_bench.common import time_us
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def main() -> None:
@@ -71,7 +67,7 @@ def main() -> None:
             b1 = torch.rand(1, T, nv, device=dev, generator=gen)
             cu1 = torch.tensor([0, T], dtype=torch.int32, device=dev)
             h1 = torch.zeros(1, nv, dk, dv, device=dev)
-            us = bench(
+            us = time_us(
                 lambda q1=q1, k1=k1, v1=v1, g1=g1, b1=b1, cu1=cu1, h1=h1: fla_chunk(
                     q1, k1, v1, g1, b1, initial_state=h1, output_final_state=True,
                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu1, cu_seqlens_cpu=cu1.cpu(),
@@ -102,7 +98,7 @@ def main() -> None:
         x8 = torch.randn(1, 8192, C, device=dev, generator=gen).bfloat16()
         cu8 = torch.tensor([0, 8192], dtype=torch.int32, device=dev)
         z8 = torch.zeros(1, C, 4, device=dev, dtype=torch.bfloat16)
-        us = bench(lambda: fla_conv(x8, w, initial_state=z8, output_final_state=True, activation="silu",
+        us = time_us(lambda: fla_conv(x8, w, initial_state=z8, output_final_state=True, activation="silu",
                                     cu_seqlens=cu8))  # fmt: skip
         rows.append({"op": "fla_conv", "shape": name, "T": 8192, "us": us})
         print(rows[-1], flush=True)
@@ -112,7 +108,7 @@ def main() -> None:
             qq = torch.randn(1, nh, T, 256, device=dev, generator=gen).bfloat16()
             kk = torch.randn(1, nkv, T, 256, device=dev, generator=gen).bfloat16()
             vv = torch.randn(1, nkv, T, 256, device=dev, generator=gen).bfloat16()
-            us = bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
+            us = time_us(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
                 qq, kk, vv, is_causal=True, enable_gqa=True))  # fmt: skip
             flop = 2 * 2 * nh * 256 * T * T / 2
             rows.append({"op": "sdpa_causal", "shape": name, "T": T, "us": us, "TFLOPs": flop / us / 1e6})
@@ -135,9 +131,10 @@ def main() -> None:
         ):
             try:
                 err = rel(fn(), ref)
-                us = bench(fn)
-                rows.append({"op": f"sdpa_chunk_{label}", "shape": name, "M": M, "L": L, "us": us,
-                             "rel": err})
+                us = time_us(fn)
+                rows.append(
+                    {"op": f"sdpa_chunk_{label}", "shape": name, "M": M, "L": L, "us": us, "rel": err}
+                )
             except Exception as e:  # noqa: BLE001 - a probe: report what fails
                 rows.append({"op": f"sdpa_chunk_{label}", "shape": name, "error": repr(e)[:300]})
             print(rows[-1], flush=True)

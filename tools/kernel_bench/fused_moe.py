@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from ninfer.ops.moe import moe_experts, moe_experts_gathered
 from ninfer.ops.triton.fused_moe import (
@@ -43,13 +40,13 @@ from ninfer.ops.triton.fused_moe import (
     default_decode_config,
     fused_moe,
 )
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
 
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
 TOKENS = (1, 2, 4, 8, 64, 512, 2048, 8192)
 SWEEP_TOKENS = (1, 2, 4, 8)
 GRAPH_MAX_TOKENS = 64
 GATHERED_REF_MAX_TOKENS = 8
-BF16_BOUND = 1e-2
 DEVICE = "cuda"
 
 # Decode tile choices for --sweep (FusedMoeDecodeConfig overrides; {} is the default). At T=1 (8 pairs):
@@ -79,24 +76,6 @@ SWEEP: dict[str, dict[str, int]] = {
         "down_warps": 2,
     },  # fmt: skip
 }
-
-
-def _time_us(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
-def _as_graph(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn captured once in a CUDA graph (compiled and warmed first); returns the replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _routing(tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,15 +108,15 @@ def bench(
     def sorted_path() -> torch.Tensor:
         return fused_moe(x, gate_up, down, weights, ids, out=out, config=sorted_config)
 
-    error = _max_rel_error(fast(), moe_experts(x, weights, ids, gate_up, down))
-    eager_us = _time_us(fast)
-    graph_us = _time_us(_as_graph(fast)) if tokens <= GRAPH_MAX_TOKENS else None
-    sorted_graph_us = _time_us(_as_graph(sorted_path)) if decode else None
+    error = max_rel_error(fast(), moe_experts(x, weights, ids, gate_up, down))
+    eager_us = time_us(fast)
+    graph_us = time_us(graphed(fast)) if tokens <= GRAPH_MAX_TOKENS else None
+    sorted_graph_us = time_us(graphed(sorted_path)) if decode else None
     if tokens <= GATHERED_REF_MAX_TOKENS:
         ref_name, ref = "gathered", lambda: moe_experts_gathered(x, weights, ids, gate_up, down)
     else:
         ref_name, ref = "loop", lambda: moe_experts(x, weights, ids, gate_up, down)
-    ref_us = _time_us(ref)
+    ref_us = time_us(ref)
 
     distinct = int(ids.unique().numel())
     weight_bytes = distinct * 3 * HIDDEN * INTER * 2
@@ -198,10 +177,10 @@ def sweep_one(
         _decode_down_combine(hidden, down, ids, weights, out, config)
 
     whole()
-    error = _max_rel_error(out, moe_experts(x, weights, ids, gate_up, down))
-    whole_us = _time_us(_as_graph(whole))
-    gate_up_us = _time_us(_as_graph(gate_up_only))
-    down_us = _time_us(_as_graph(down_only))
+    error = max_rel_error(out, moe_experts(x, weights, ids, gate_up, down))
+    whole_us = time_us(graphed(whole))
+    gate_up_us = time_us(graphed(gate_up_only))
+    down_us = time_us(graphed(down_only))
 
     distinct = int(ids.unique().numel())
     activations = tokens * HIDDEN * 2 + pairs * INTER * 2  # x or out, and the intermediate
@@ -236,19 +215,6 @@ def _experts(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up.mul_(HIDDEN**-0.5), down.mul_(INTER**-0.5)
 
 
-def _check(rows: list[dict[str, object]]) -> tuple[float, str]:
-    worst = max(row["max_rel_err"] for row in rows)
-    verdict = "PASS" if worst < BF16_BOUND else "FAIL"
-    print(f"check: worst max_rel_err {worst:.2e} vs bound {BF16_BOUND:.0e}: {verdict}", flush=True)
-    return worst, verdict
-
-
-def _write_json(name: str, rows: list[dict[str, object]], worst: float, verdict: str) -> None:
-    if out_dir := os.environ.get("OUT"):
-        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-            json.dump({"rows": rows, "worst_max_rel_err": worst, "check": verdict}, f, indent=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -268,7 +234,7 @@ def main() -> None:
         for t in tokens:
             best = min((row for row in rows if row["tokens"] == t), key=lambda row: row["graph_us"])
             print(f"best T={t}: {best['name']} {best['graph_us']:.2f} us  {best['config']}", flush=True)
-        _write_json("fused_moe_sweep", rows, *_check(rows))
+        finish("fused_moe_sweep", rows)
         return
 
     overrides, decode_overrides = json.loads(args.config), json.loads(args.decode_config)
@@ -278,7 +244,7 @@ def main() -> None:
         flush=True,
     )
     rows = [bench(t, gate_up, down, overrides, decode_overrides, gen) for t in args.tokens or list(TOKENS)]
-    _write_json("fused_moe", rows, *_check(rows))
+    finish("fused_moe", rows)
 
 
 if __name__ == "__main__":

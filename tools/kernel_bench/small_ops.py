@@ -12,20 +12,17 @@ every error is within the bf16 bound. With OUT set, the rows also go to $OUT/sma
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 
 import torch
-import triton.testing
 
 from ninfer.ops import norm as reference
 from ninfer.ops.conv import causal_conv1d_update
 from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
 from ninfer.ops.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
+from tools.kernel_bench.common import finish, max_rel_error, time_us
 
 EPS = 1e-6
-BF16_BOUND = 1e-2
 BF16 = torch.bfloat16
 VARIANTS = {  # name: (hidden, conv_dim, attention heads, kv heads, GDN value heads)
     "27b": (5120, 10240, 24, 4, 48),
@@ -34,14 +31,6 @@ VARIANTS = {  # name: (hidden, conv_dim, attention heads, kv heads, GDN value he
 DECODE_BATCHES = (1, 8)
 NORM_ROWS = (1, 8, 8192)
 DEVICE = "cuda"
-
-
-def _time_us(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
 def _row(
@@ -53,7 +42,7 @@ def _row(
     ref: Callable[[], object],
     error: float,
 ) -> dict[str, object]:
-    fast_us, ref_us = _time_us(fast), _time_us(ref)
+    fast_us, ref_us = time_us(fast), time_us(ref)
     row = {
         "op": op,
         "variant": variant,
@@ -102,7 +91,7 @@ def bench_conv(variant: str, channels: int, batch: int) -> dict[str, object]:
     pool_want = pool.clone()
     pool.copy_(pool_start)
     got = fast()
-    error = _max_rel_error(got, want)
+    error = max_rel_error(got, want)
     if not torch.equal(pool, pool_want):
         error = max(error, 1.0)  # a wrong state write shows as a failed check
     state_bytes = batch * channels * (kernel - 1) * 2
@@ -118,11 +107,11 @@ def bench_rms_norm(variant: str, rows: int, hidden: int) -> list[dict[str, objec
         "rms_norm", variant, (rows, hidden), 2 * rows * hidden * 2 + hidden * 2,
         lambda: rms_norm(x, weight, EPS, out=normed),
         lambda: reference.rms_norm(x, weight, EPS),
-        _max_rel_error(rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS)),
+        max_rel_error(rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS)),
     )  # fmt: skip
     got_normed, got_summed = add_rms_norm(x, mixed, weight, EPS)
     want_summed = x + mixed
-    error = _max_rel_error(got_normed, reference.rms_norm(want_summed, weight, EPS))
+    error = max_rel_error(got_normed, reference.rms_norm(want_summed, weight, EPS))
     if not torch.equal(got_summed, want_summed):
         error = max(error, 1.0)  # the sum must round exactly like torch's add
     fused = _row(
@@ -150,7 +139,7 @@ def bench_qk_norm(variant: str, rows: int, heads: int, kv_heads: int) -> list[di
                 2 * x.numel() * 2 + head_dim * 2,
                 lambda x=x, weight=weight, out=out: rms_norm(x, weight, EPS, out=out),
                 lambda x=x, weight=weight: reference.rms_norm(x, weight, EPS),
-                _max_rel_error(rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS)),
+                max_rel_error(rms_norm(x, weight, EPS), reference.rms_norm(x, weight, EPS)),
             )  # fmt: skip
         )
     return out_rows
@@ -167,7 +156,7 @@ def bench_gated_norm(variant: str, rows: int, value_heads: int) -> dict[str, obj
         "gated_rms_norm", variant, tuple(o.shape), o.numel() * (4 + 2 + 2) + dv * 2,
         lambda: gated_rms_norm(o, weight, z, EPS, out=out),
         lambda: reference.gated_rms_norm(o.to(BF16), weight, z, EPS),
-        _max_rel_error(gated_rms_norm(o, weight, z, EPS), want),
+        max_rel_error(gated_rms_norm(o, weight, z, EPS), want),
     )  # fmt: skip
 
 
@@ -181,18 +170,7 @@ def main() -> None:
             rows.extend(bench_rms_norm(variant, n, hidden))
             rows.extend(bench_qk_norm(variant, n, heads, kv_heads))
             rows.append(bench_gated_norm(variant, n, value_heads))
-    worst = max(rows, key=lambda row: float(row["max_rel_err"]))
-    passed = float(worst["max_rel_err"]) < BF16_BOUND
-    check = {"op": "check", "passed": passed, "worst_op": worst["op"], "worst_err": worst["max_rel_err"]}
-    print(
-        f"check: {'OK' if passed else 'FAIL'} (worst {worst['op']} {worst['variant']} {worst['shape']}: "
-        f"{float(worst['max_rel_err']):.2e}, bound {BF16_BOUND})",
-        flush=True,
-    )
-    rows.append(check)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "small_ops.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    finish("small_ops", rows)
 
 
 if __name__ == "__main__":
