@@ -23,6 +23,7 @@ from ninfer.targets.qwen3_6.binder import random_model_view
 from ninfer.targets.qwen3_6.kernels import select_kernels
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.registry import get_package
+from tools.kernel_bench.common import graphed, time_us
 
 # kernel-name patterns -> class, first match wins
 CLASSES = [
@@ -84,25 +85,9 @@ def profile(fn, steps: int = 3) -> dict[str, float]:
     return {"classes": dict(sorted(per_class.items(), key=lambda kv: -kv[1])), "top": top}
 
 
-def graph_time_ms(fn, replays: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def graph_time_ms(fn) -> float:
+    """Median CUDA-graph replay time of ``fn`` in milliseconds."""
+    return time_us(graphed(fn)) / 1e3
 
 
 def main() -> None:
