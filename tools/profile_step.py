@@ -5,7 +5,7 @@
 
 Random weights of the package's exact dims (as `ninfer bench --synthetic`), bf16 on CUDA, the model's
 `forward` over a state store sized for the batch. For each B: the decode step replayed from a CUDA graph
-(median of 50 replays: the step's device time without the Engine), then one eager step under the torch
+(median of graph replays: the step's device time without the Engine), then one eager step under the torch
 profiler, kernels summed by class. The same for one prefill chunk of ``--prefill`` tokens.
 """
 
