@@ -75,14 +75,17 @@ def profile(fn, steps: int = 3) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     per_class: dict[str, float] = defaultdict(float)
+    launches: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             us = event.device_time / steps
             per_class[kernel_class(event.name)] += us
+            launches[kernel_class(event.name)] += 1 / steps
             per_kernel[event.name[:90]] += us
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return {"classes": dict(sorted(per_class.items(), key=lambda kv: -kv[1])), "top": top}
+    classes = dict(sorted(per_class.items(), key=lambda kv: -kv[1]))
+    return {"classes": classes, "launches": {k: round(launches[k]) for k in classes}, "top": top}
 
 
 def graph_time_ms(fn) -> float:
@@ -117,8 +120,10 @@ def main() -> None:
             ms = graph_time_ms(step)
             report["decode"][b] = {"graph_ms": ms, **profile(step)}
             print(f"decode B={b} ctx={args.context}: graph replay {ms:.3f} ms", flush=True)
+            counts = report["decode"][b]["launches"]
+            print(f"   {sum(counts.values())} launches", flush=True)
             for label, us in report["decode"][b]["classes"].items():
-                print(f"   {label:12s} {us:9.1f} us", flush=True)
+                print(f"   {label:12s} {us:9.1f} us  {counts[label]:5d} launches", flush=True)
             for name, us in report["decode"][b]["top"]:
                 print(f"      {us:9.1f} us  {name}", flush=True)
         batch = make_batch(1, args.prefill, args.prefill, page_size, device)

@@ -17,10 +17,12 @@ from collections.abc import Callable
 import torch
 
 from ninfer.ops import norm as reference
+from ninfer.ops.attention import paged_decode_attention as reference_decode_attention
 from ninfer.ops.conv import causal_conv1d_update
 from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
 from ninfer.ops.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
-from tools.kernel_bench.common import finish, max_rel_error, time_us
+from ninfer.ops.triton.paged_decode_attention import default_num_splits, paged_decode_attention
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
 
 EPS = 1e-6
 BF16 = torch.bfloat16
@@ -160,10 +162,45 @@ def bench_gated_norm(variant: str, rows: int, value_heads: int) -> dict[str, obj
     )  # fmt: skip
 
 
+def bench_decode_attention(
+    variant: str, batch: int, heads: int, kv_heads: int, context: int
+) -> list[dict[str, object]]:
+    """Paged decode attention at each split count (and the default's), pages shuffled, graph replays."""
+    page_size, head_dim = 64, 256
+    pages = -(-context // page_size)
+    k_pages = _randn(batch * pages, page_size, kv_heads, head_dim)
+    v_pages = _randn(batch * pages, page_size, kv_heads, head_dim)
+    table = torch.randperm(batch * pages, device=DEVICE).to(torch.int32).view(batch, pages)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    q = _randn(batch, heads, head_dim)
+    scale = head_dim**-0.5
+    want = reference_decode_attention(q, k_pages, v_pages, table, lens, scale)
+    nbytes = 2 * batch * context * kv_heads * head_dim * 2
+    default = default_num_splits(batch, kv_heads, pages * page_size, q.device)
+    rows = []
+    for splits in sorted({1, 4, 8, 16, 32, 64, default}):
+        out = torch.empty_like(q)
+
+        def fast(splits: int = splits, out: torch.Tensor = out) -> None:
+            paged_decode_attention(q, k_pages, v_pages, table, lens, scale, out=out, num_splits=splits)
+
+        replay = graphed(fast)
+        error = max_rel_error(out, want)
+        label = f"attn/s{splits}{'*' if splits == default else ''}"
+        rows.append(
+            _row(label, variant, (batch, heads, context), nbytes, replay,
+                 lambda: reference_decode_attention(q, k_pages, v_pages, table, lens, scale), error)
+        )  # fmt: skip
+    return rows
+
+
 def main() -> None:
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     for variant, (hidden, conv_dim, heads, kv_heads, value_heads) in VARIANTS.items():
+        for batch in DECODE_BATCHES:
+            for context in (2048, 8192):
+                rows.extend(bench_decode_attention(variant, batch, heads, kv_heads, context))
         for batch in DECODE_BATCHES:
             rows.append(bench_conv(variant, conv_dim, batch))
         for n in NORM_ROWS:
