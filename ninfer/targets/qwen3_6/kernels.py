@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.attention import paged_attention
+from ninfer.ops.attention import gated_attention_output, kv_write, paged_attention, split_q_gate
 from ninfer.ops.attention import paged_decode_attention as reference_decode_attention
 from ninfer.ops.conv import causal_conv1d, causal_conv1d_update
 from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
 from ninfer.ops.mlp import swiglu
 from ninfer.ops.moe import moe_experts_fp32
 from ninfer.ops.norm import gated_rms_norm, rms_norm
+from ninfer.ops.rope import apply_partial_rope
 
 if TYPE_CHECKING:
     from ninfer.targets.qwen3_6.model import StepBatch
@@ -67,6 +68,11 @@ class Kernels:
     decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
     # (q [N, nH, D], k_pages, v_pages, block_table, query_start, context_lens, scale) -> [N, nH, D]
     prefill_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
+    # -> q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots
+    attention_prologue: Callable[..., Tensor]
+    # (o [N, nH, D], qkv, variant) -> o * sigmoid(gate) [N, nH*D], the gate read from qkv's q columns
+    attention_output_gate: Callable[[Tensor, Tensor, Variant], Tensor]
     # (x [N, H], weights [N, k], expert_ids [N, k], gate_up, down, graph_safe) -> [N, H] (fp32 or x's
     # dtype); graph_safe: a decode unit, inside a CUDA graph (static shapes, no host sync)
     moe_experts: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, bool], Tensor]
@@ -78,6 +84,32 @@ class Kernels:
 def _reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     summed = residual + x
     return rms_norm(summed, weight, eps), summed
+
+
+def _reference_attention_prologue(
+    qkv: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    slot_mapping: Tensor,
+    variant: Variant,
+) -> Tensor:
+    n, heads, d, eps = qkv.shape[0], variant.num_attention_heads, variant.head_dim, variant.rms_norm_eps
+    q_out, k, v = qkv.split([variant.q_proj_dim, variant.kv_dim, variant.kv_dim], -1)
+    q = split_q_gate(q_out, heads, d)[0]
+    k = k.reshape(n, variant.num_kv_heads, d)
+    q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin)
+    k = apply_partial_rope(rms_norm(k, k_norm, eps), cos, sin)
+    kv_write(k_pages, v_pages, k, v.reshape(n, variant.num_kv_heads, d), slot_mapping)
+    return q
+
+
+def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
+    gate = split_q_gate(qkv[:, : variant.q_proj_dim], variant.num_attention_heads, variant.head_dim)[1]
+    return gated_attention_output(o, gate)
 
 
 def split_conv_output(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -191,6 +223,8 @@ REFERENCE = Kernels(
     gdn_prefill=_reference_gdn_prefill,
     decode_attention=reference_decode_attention,
     prefill_attention=paged_attention,
+    attention_prologue=_reference_attention_prologue,
+    attention_output_gate=_reference_attention_output_gate,
     moe_experts=moe_experts_fp32,
 )
 
@@ -303,6 +337,32 @@ def _sdpa_prefill_attention(
     return out
 
 
+def _fast_attention_prologue(
+    qkv: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    slot_mapping: Tensor,
+    variant: Variant,
+) -> Tensor:
+    from ninfer.ops.triton.attention_prologue import qk_norm_rope_kv_write
+
+    return qk_norm_rope_kv_write(
+        qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping,
+        num_heads=variant.num_attention_heads, num_kv_heads=variant.num_kv_heads,
+        head_dim=variant.head_dim, eps=variant.rms_norm_eps,
+    )  # fmt: skip
+
+
+def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
+    from ninfer.ops.triton.attention_prologue import sigmoid_gate
+
+    return sigmoid_gate(o, qkv, num_heads=variant.num_attention_heads, head_dim=variant.head_dim)
+
+
 def _fast_moe_experts(
     x: Tensor, weights: Tensor, expert_ids: Tensor, gate_up: Tensor, down: Tensor, graph_safe: bool
 ) -> Tensor:
@@ -337,6 +397,8 @@ def fast_kernels() -> Kernels:
         gdn_prefill=gdn_prefill,
         decode_attention=paged_decode_attention,
         prefill_attention=_sdpa_prefill_attention,
+        attention_prologue=_fast_attention_prologue,
+        attention_output_gate=_fast_attention_output_gate,
         moe_experts=_fast_moe_experts,
     )
 

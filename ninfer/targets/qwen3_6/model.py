@@ -26,9 +26,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
 from ninfer.ops.moe import moe_route_logits
-from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
+from ninfer.ops.rope import mrope_cos_sin
 from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
@@ -50,7 +49,7 @@ __all__ = [
     "forward",
     "decoder_layer",
     "attention_mixer",
-    "attention_projection",
+    "attention_qkv",
     "gdn_mixer",
     "gdn_projection",
     "gdn_split_heads",
@@ -278,26 +277,11 @@ def decoder_layer(
 # ---- gated attention ----------------------------------------------------------------------------
 
 
-def attention_projection(
-    w: AttentionLayerView,
-    variant: Variant,
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    kernels: Kernels = REFERENCE,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x [N, H] -> q [N, nH, D] (normed, roped), gate [N, nH*D], k [N, nKV, D] (normed, roped), v."""
-    n, eps = x.shape[0], variant.rms_norm_eps
+def attention_qkv(w: AttentionLayerView, x: Tensor) -> Tensor:
+    """x [N, H] -> qkv [N, nH*2D + 2*nKV*D]: the q projection (per-head [query | gate]), then k, then v."""
     if w.qkv_proj is not None:  # one GEMM for the three projections
-        q_out, k, v = F.linear(x, w.qkv_proj).split([variant.q_proj_dim, variant.kv_dim, variant.kv_dim], -1)
-    else:
-        q_out, k, v = F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)
-    q, gate = split_q_gate(q_out, variant.num_attention_heads, variant.head_dim)
-    k = k.reshape(n, variant.num_kv_heads, variant.head_dim)
-    v = v.reshape(n, variant.num_kv_heads, variant.head_dim)
-    q = apply_partial_rope(kernels.rms_norm(q, w.q_norm, eps), cos, sin)
-    k = apply_partial_rope(kernels.rms_norm(k, w.k_norm, eps), cos, sin)
-    return q, gate, k, v
+        return F.linear(x, w.qkv_proj)
+    return torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
 
 
 def attention_mixer(
@@ -311,9 +295,15 @@ def attention_mixer(
     sin: Tensor,
     kernels: Kernels = REFERENCE,
 ) -> Tensor:
-    """Gated attention over the paged KV of this layer; writes the new tokens' K/V first."""
-    q, gate, k, v = attention_projection(w, variant, x, cos, sin, kernels)
-    kv_write(k_pages, v_pages, k, v, batch.slot_mapping)
+    """Gated attention over the paged KV of this layer; writes the new tokens' K/V first.
+
+    The prologue normalises and ropes q and k and writes k and v into their slots; the output gate
+    reads its columns of qkv in place.
+    """
+    qkv = attention_qkv(w, x)
+    q = kernels.attention_prologue(
+        qkv, w.q_norm, w.k_norm, cos, sin, k_pages, v_pages, batch.slot_mapping, variant
+    )
     scale = variant.head_dim**-0.5
     if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync)
         o = kernels.decode_attention(q, k_pages, v_pages, batch.block_table, batch.context_lens, scale)
@@ -321,7 +311,7 @@ def attention_mixer(
         o = kernels.prefill_attention(
             q, k_pages, v_pages, batch.block_table, batch.query_start, batch.context_lens, scale
         )
-    return F.linear(gated_attention_output(o, gate), w.o_proj)
+    return F.linear(kernels.attention_output_gate(o, qkv, variant), w.o_proj)
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------
