@@ -1,0 +1,268 @@
+"""Triton skinny GEMM (decode GEMV): ``out [M, N] = x [M, K] @ w [N, K]^T`` for M = 1..16 rows.
+
+Same result as ``F.linear(x, w)`` in x's dtype (bf16 / fp16 / fp32), with fp32 accumulation. At decode
+a projection is a pure weight stream: M <= 8 rows against an [N, K] weight of tens to hundreds of MB, so
+the time is the weight bytes over the HBM bandwidth and the kernel is shaped only to keep HBM busy:
+
+- each program owns a BLOCK_N slice of output columns and streams its [BLOCK_N, K] weight strip once,
+  in [BLOCK_N, BLOCK_K] tiles of whole 16-byte vectors along the contiguous K (coalesced rows);
+- x (a few KB) is re-read per tile and served from L1/L2, so no HBM traffic beyond the weights;
+- many programs (small BLOCK_N) or split-K keep enough loads in flight on all SMs.
+
+Two kernels, picked by ``SkinnyConfig.use_dot``:
+
+- ``fma``: elementwise fp32 products accumulated in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile and
+  reduced over K once after the loop, so each step is loads + FMAs only (no cross-thread reduction per
+  step); ``unroll`` steps per loop trip let the compiler issue their loads together, and many small
+  programs per SM keep more in flight. Meant for M = 1 (the accumulator grows with M).
+- ``dot``: ``tl.dot(w_tile, x_tile^T)`` with x padded to 16 rows (the smallest MMA side) and the weight
+  tile as the MMA's M side (so BLOCK_N >= 64 can use Hopper's wgmma); the loop's loads are software
+  pipelined over ``num_stages`` shared-memory buffers. Its cost hardly depends on M <= 16.
+
+Split-K (``split_k > 1``) gives each of ``split_k`` programs per column block a contiguous K range; they
+write fp32 partials [split_k, M, N] and a second launch sums them in a fixed order, so results are
+deterministic (no atomics). Everything is sized from static shapes: the call is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_ROWS", "SkinnyConfig", "default_config", "skinny_linear"]
+
+MAX_ROWS = 16  # rows the dot kernel's single padded MMA tile covers
+_DOT_ROWS = 16
+_H200_SMS = 132
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    """Tile choice of one skinny_linear launch.
+
+    block_n: output columns (weight rows) per program; block_k: K elements per step; split_k: programs per
+    column block along K (1 = none; capped so that no split is empty); num_warps / num_stages: Triton's
+    launch options (num_stages > 1 pipelines the dot kernel's loads through shared memory; Triton leaves
+    the elementwise kernel's loads alone, so there ``unroll`` is what puts several steps' loads in flight);
+    use_dot: the MMA kernel instead of the elementwise one; unroll: K steps per loop trip in the
+    elementwise kernel (ignored by the dot one).
+    """
+
+    block_n: int = 8
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    use_dot: bool = False
+    unroll: int = 1
+
+    def check(self) -> None:
+        for name in ("block_n", "block_k", "unroll"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"the dot kernel needs block_n, block_k >= 16, got {self}")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, num_warps and num_stages must be >= 1, got {self}")
+
+
+# Measured best configs, keyed by (M bucket, N, K) with bucket 1 for M = 1 and 8 for M = 2..8 (M > 8 is
+# not tuned: an elementwise config tuned at 8 rows would double its accumulator): paste the dict printed
+# by `python3 -m tools.kernel_bench.skinny_gemm --sweep` on the H200 here. Shapes not listed use the
+# heuristic in `default_config`.
+_TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def _split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Split K until there are ~2 waves of programs, keeping >= 4 steps per split (at most 8 splits)."""
+    blocks = triton.cdiv(n, block_n)
+    if blocks >= 2 * num_sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, blocks), k // (4 * block_k), 8))
+
+
+@functools.cache  # called per launch: keep the Python overhead off the decode path
+def default_config(m: int, n: int, k: int, num_sms: int = _H200_SMS) -> SkinnyConfig:
+    """The tuned config for this shape if there is one, else: fma kernel at M = 1, dot kernel above."""
+    if m <= 8:
+        tuned = _TUNED.get((1 if m == 1 else 8, n, k))
+        if tuned is not None:
+            return tuned
+    k_pow2 = triton.next_power_of_2(max(k, 16))
+    if m == 1:
+        base = SkinnyConfig(block_n=8, block_k=min(512, k_pow2), num_warps=4, num_stages=1, unroll=2)
+    else:
+        base = SkinnyConfig(block_n=64, block_k=min(128, k_pow2), num_warps=4, num_stages=4, use_dot=True)
+    return dataclasses.replace(base, split_k=_split_for(n, k, base.block_n, base.block_k, num_sms))
+
+
+@triton.jit
+def _skinny_fma_kernel(
+    x_ptr, w_ptr, out_ptr,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    out_base = out_ptr + pid_k * stride_os  # this split's fp32 partial slab (stride_os = 0 without split)
+    if BLOCK_M == 1:
+        # one row: a 2-D accumulator, x broadcast along the weight rows
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K * UNROLL):
+            for step in tl.static_range(UNROLL):
+                ks = k0 + step * BLOCK_K + offs_k
+                mask_k = ks < k_end
+                w = tl.load(
+                    w_rows + ks[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",  # streamed once: leave L2 to x and the activations
+                )
+                xs = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
+                acc += w.to(tl.float32) * xs.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        tl.store(out_base + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K * UNROLL):
+            for step in tl.static_range(UNROLL):
+                ks = k0 + step * BLOCK_K + offs_k
+                mask_k = ks < k_end
+                w = tl.load(
+                    w_rows + ks[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",  # streamed once: leave L2 to x and the activations
+                )
+                xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                acc3 += w.to(tl.float32)[None, :, :] * xs.to(tl.float32)[:, None, :]
+        y2 = tl.sum(acc3, axis=2)
+        out_ptrs = out_base + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, y2.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    x_ptr, w_ptr, out_ptr,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M  # padding rows load nothing (masked) and are not stored
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # out^T tile: the weight rows are the MMA's M side, the (padded) x rows its N side
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < k_end
+        w = tl.load(
+            w_rows + ks[None, :],
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+            eviction_policy="evict_first",  # streamed once: leave L2 to x and the activations
+        )
+        xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(xs), acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    partial_ptr, out_ptr, N, stride_om, stride_os, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):  # fixed order: the sum is the same on every run
+        total += tl.load(partial_ptr + split * stride_os + row * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, w)`` for x [M, K] with M <= 16 rows -> [M, N] in x's dtype, fp32 accumulation.
+
+    x and w share a dtype (bf16, fp16 or fp32); w [N, K] must have a unit stride along K (a row block of a
+    stacked buffer is fine); x may have any row stride (a column slice is fine). ``out`` may supply the
+    [M, N] result buffer (x's dtype, unit stride along N). ``config`` overrides `default_config(M, N, K)`.
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K] and w [N, K], got x {tuple(x.shape)} w {tuple(w.shape)}")
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got M={m}")
+    if x.dtype != w.dtype or x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"x and w must share a dtype in {_SUPPORTED_DTYPES}, got {x.dtype} and {w.dtype}")
+    if w.stride(1) != 1:
+        raise ValueError("w must have a unit stride along K (row-major)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a unit stride along N")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    config = config or default_config(m, n, k)
+    config.check()
+
+    # K ranges are whole steps; splits that would start past K are dropped (the count stays static)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    if split_k > 1:
+        target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        stride_om, stride_os = n, m * n
+    else:
+        target, stride_om, stride_os = out, out.stride(0), 0
+    grid = (triton.cdiv(n, config.block_n), split_k)
+    args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os)
+    if config.use_dot:
+        _skinny_dot_kernel[grid](
+            *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    else:
+        _skinny_fma_kernel[grid](
+            *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            target, out, n, out.stride(0), stride_os, SPLIT_K=split_k, BLOCK=block, num_warps=4
+        )
+    return out

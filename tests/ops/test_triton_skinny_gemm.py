@@ -1,0 +1,263 @@
+"""Triton skinny GEMM (`ninfer.ops.triton.skinny_gemm`) against `F.linear`.
+
+CPU tests run both kernels (elementwise and dot), with and without split-K, in the Triton interpreter
+through a private copy of the module (fp32, tiny shapes whose sizes the blocks do not divide). `gpu`
+tests run the compiled kernels at every real Qwen3.6 decode projection shape in bf16.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interpreter import interpreted_kernels, run_interpreter_child
+
+if TYPE_CHECKING:
+    from ninfer.ops.triton.skinny_gemm import SkinnyConfig
+
+torch.set_num_threads(1)
+
+
+def test_interpreter_suite_in_a_fresh_process() -> None:
+    run_interpreter_child(__file__)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    return interpreted_kernels("ninfer.ops.triton.skinny_gemm")
+
+
+def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+# (block_n, block_k, split_k, use_dot, unroll): none of the blocks divides N in {5, 33} or K = 40
+INTERPRETER_CONFIGS = {
+    "fma": (4, 16, 1, False, 1),
+    "fma-unroll": (8, 8, 1, False, 2),
+    "fma-split": (2, 16, 2, False, 1),
+    "fma-split-uneven": (4, 8, 3, False, 2),
+    "dot": (16, 16, 1, True, 1),
+    "dot-split": (16, 16, 3, True, 1),
+}
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("config_name", list(INTERPRETER_CONFIGS))
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("n", [5, 33])
+@pytest.mark.parametrize("k", [16, 40])
+def test_skinny_linear_matches_f_linear(
+    kernels: ModuleType, config_name: str, rows: int, n: int, k: int
+) -> None:
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    out = torch.full((rows, n), float("nan"))
+
+    got = kernels.skinny_linear(x, w, out=out, config=config)
+
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, F.linear(x, w), **CLOSE)
+
+
+@pytest.mark.parametrize("config_name", ["fma", "fma-split", "dot-split"])
+def test_skinny_linear_strided_x_and_weight_view(kernels: ModuleType, config_name: str) -> None:
+    """x a column slice of a wider activation, w a column slice of a wider buffer (row stride > K)."""
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(5)
+    rows, n, k = 3, 33, 40
+    wide_x = torch.randn(rows, k + 24, generator=gen)
+    wide_w = torch.randn(n, k + 8, generator=gen)
+    x, w = wide_x[:, 8 : 8 + k], wide_w[:, :k]
+    assert x.stride(0) == k + 24 and w.stride(0) == k + 8
+
+    got = kernels.skinny_linear(x, w, config=config)
+
+    assert got.shape == (rows, n) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w), **CLOSE)
+
+
+def test_skinny_linear_default_config_and_out_row_stride(kernels: ModuleType) -> None:
+    """Without a config the shape's default is used; out may be a column slice of a wider buffer."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 24, generator=gen)
+    w = torch.randn(20, 24, generator=gen)
+    wide_out = torch.full((2, 32), float("nan"))
+    out = wide_out[:, 4:24]
+
+    got = kernels.skinny_linear(x, w, out=out)
+
+    torch.testing.assert_close(got, F.linear(x, w), **CLOSE)
+    assert wide_out[:, :4].isnan().all() and wide_out[:, 24:].isnan().all(), "only out's columns written"
+
+
+def test_skinny_linear_rejects_bad_inputs(kernels: ModuleType) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        kernels.skinny_linear(torch.randn(17, 16), w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        kernels.skinny_linear(torch.randn(1, 16, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        kernels.skinny_linear(torch.randn(1, 8), torch.randn(8, 16).t())
+    with pytest.raises(ValueError, match="need x"):
+        kernels.skinny_linear(torch.randn(1, 15), w)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.skinny_linear(torch.randn(1, 16), w, out=torch.empty(1, 9))
+    with pytest.raises(ValueError, match="dot kernel needs"):
+        kernels.skinny_linear(torch.randn(1, 16), w, config=kernels.SkinnyConfig(block_n=8, use_dot=True))
+
+
+def test_default_config_shapes(kernels: ModuleType) -> None:
+    """M = 1 takes the elementwise kernel, more rows the dot one; few column blocks split K."""
+    decode = kernels.default_config(1, 14336, 5120)
+    assert not decode.use_dot and decode.split_k == 1
+    batched = kernels.default_config(8, 14336, 5120)
+    assert batched.use_dot and batched.block_n >= 16 and batched.block_k >= 16
+    narrow = kernels.default_config(8, 1280, 2048)
+    assert narrow.split_k > 1, "20 column blocks on 132 SMs must split K"
+    for m in (1, 3, 8, 16):
+        for n, k in ((5120, 17408), (256, 2048), (248320, 5120), (5, 7)):
+            config = kernels.default_config(m, n, k)
+            config.check()
+            assert config.block_k <= max(16, 2 * k), "a step far wider than K wastes the tile"
+
+
+# ---- GPU, real shapes ----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (name, N, K) of every decode projection of Qwen3.6-27B and -35B-A3B (stacked as the binder stacks them)
+REAL_SHAPES = [
+    ("27b-attn-qkv", 14336, 5120),
+    ("27b-attn-o", 5120, 6144),
+    ("27b-gdn-in", 16480, 5120),
+    ("27b-gdn-out", 5120, 6144),
+    ("27b-mlp-gate-up", 34816, 5120),
+    ("27b-mlp-down", 5120, 17408),
+    ("27b-lm-head", 248320, 5120),
+    ("35b-gdn-in", 12352, 2048),
+    ("35b-gdn-out", 2048, 4096),
+    ("35b-attn-qkv", 9216, 2048),
+    ("35b-attn-o", 2048, 4096),
+    ("35b-router-shared-gate-up", 1280, 2048),
+    ("35b-shared-down", 2048, 512),
+    ("35b-lm-head", 248320, 2048),
+]
+BF16_BOUND = 1e-2
+
+
+def _check_bf16(
+    rows: int, n: int, k: int, seed: int, config: SkinnyConfig | None = None, x_stride_pad: int = 0
+) -> None:
+    from ninfer.ops.triton.skinny_gemm import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(rows, k + x_stride_pad, generator=gen, device="cuda").to(torch.bfloat16)
+    x = wide[:, x_stride_pad:]
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float())  # fp32 reference of the same bf16 inputs
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    skinny_linear(x, w, out=out, config=config)
+
+    assert not out.isnan().any()
+    error = _max_rel_error(out, want)
+    assert error <= BF16_BOUND, f"M={rows} N={n} K={k} {config}: max rel error {error:.2e}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+@pytest.mark.parametrize(("name", "n", "k"), REAL_SHAPES, ids=[s[0] for s in REAL_SHAPES])
+def test_skinny_linear_cuda_real_shapes(name: str, n: int, k: int, rows: int) -> None:
+    _check_bf16(rows, n, k, seed=rows * 7 + n, x_stride_pad=256 if rows == 3 else 0)
+
+
+# (block_n, block_k, split_k, num_warps, num_stages, use_dot, unroll): every code path, compiled
+# (the elementwise accumulator is M x block_n x block_k: these stay within registers up to M = 8)
+GPU_CONFIGS = {
+    "fma": (8, 256, 1, 4, 1, False, 1),
+    "fma-unroll-stages": (4, 256, 1, 4, 2, False, 2),
+    "fma-split": (8, 128, 4, 4, 1, False, 2),
+    "dot": (64, 128, 1, 4, 4, True, 1),
+    "dot-narrow": (16, 256, 1, 4, 3, True, 1),
+    "dot-wide-split": (128, 128, 3, 8, 4, True, 1),
+}
+# N and K that no block divides (K still a multiple of 8, so rows stay 16-byte aligned), and an odd K
+ODD_SHAPES = [(5000 + 7, 2056), (257, 1030 + 8), (1031, 999)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config_name", list(GPU_CONFIGS))
+@pytest.mark.parametrize("rows", [1, 5, 8, 16])
+@pytest.mark.parametrize(("n", "k"), ODD_SHAPES)
+def test_skinny_linear_cuda_configs_odd_shapes(config_name: str, rows: int, n: int, k: int) -> None:
+    from ninfer.ops.triton.skinny_gemm import SkinnyConfig
+
+    fields = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "use_dot", "unroll")
+    config = SkinnyConfig(**dict(zip(fields, GPU_CONFIGS[config_name])))
+    if rows > 8 and not config.use_dot:
+        pytest.skip("elementwise configs are meant for M <= 8 (16 rows would spill the accumulator)")
+    _check_bf16(rows, n, k, seed=rows + n + k, config=config, x_stride_pad=8)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("use_dot", [False, True], ids=["fma", "dot"])
+def test_skinny_linear_cuda_other_dtypes(dtype: torch.dtype, use_dot: bool) -> None:
+    from ninfer.ops.triton.skinny_gemm import SkinnyConfig, skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, n, k = 4, 5120, 6144
+    x = torch.randn(rows, k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(dtype)
+    config = SkinnyConfig(block_n=64 if use_dot else 8, block_k=128, split_k=2, use_dot=use_dot, num_stages=2)
+    got = skinny_linear(x, w, config=config)
+    assert got.dtype == dtype and not got.isnan().any()
+    bound = 1e-4 if dtype == torch.float32 else 2e-3
+    assert _max_rel_error(got, F.linear(x.double(), w.double())) <= bound
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_skinny_linear_cuda_graph_replay_is_deterministic(rows: int) -> None:
+    """Captured (split-K partials allocated in the capture), replayed on new x: right, bitwise stable."""
+    from ninfer.ops.triton.skinny_gemm import SkinnyConfig, skinny_linear
+
+    n, k = 2048, 4096
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    config = SkinnyConfig(block_n=64, block_k=128, split_k=4, use_dot=True, num_stages=3)
+    skinny_linear(x, w, out=out, config=config)  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        skinny_linear(x, w, out=out, config=config)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear(x, w, out=out, config=config)
+
+    x.copy_(torch.randn(rows, k, device="cuda").to(torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    first = out.clone()
+    assert _max_rel_error(first, F.linear(x.float(), w.float())) <= BF16_BOUND
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, first), "split-K must reduce in a fixed order"
