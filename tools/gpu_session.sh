@@ -31,6 +31,10 @@ for step in "$@"; do
     profile27) timeout 300 python3 -m tools.profile_step qwen3_6_27b ;;
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
     verify) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs -s tests/artifact/test_loader.py tests/targets/test_binder_layout.py tests/ops/test_triton_paged_decode.py "tests/ops/test_triton_fused_moe.py::test_fused_moe_cuda_graph_replays_new_routing" ;;
+    engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
+    engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
+    gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
+    gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     fasttests) timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rs -s tests/ops/test_triton_fused_moe.py tests/ops/test_triton_activation.py tests/ops/test_triton_gdn_decode.py tests/gpu/test_fast_path.py tests/artifact/test_loader.py tests/targets/test_binder_layout.py ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
