@@ -4,17 +4,22 @@ CPU tests run the kernels in the Triton interpreter in a child process (fp32, ti
 the compiled kernels at the Qwen3.6-35B-A3B shapes (E=256, K=8, H=2048, I=512) in bf16, at odd shapes, for
 every tier of the sorted path's config table and several decode-path tile choices, and inside CUDA graphs
 whose routing changes between replays (decode path at T=3, sorted path at T=4).
+
+With a shared expert (`shared=SharedExpert(...)`) the oracle is the plain-PyTorch composition of `_moe_mlp`:
+moe_experts_fp32 + weight[:, None] * swiglu_mlp(x, ...).float(), cast to x's dtype once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import pytest
 import torch
 from triton_interpreter import interpreted_kernels, run_interpreter_child
 
-from ninfer.ops.moe import moe_experts
+from ninfer.ops.mlp import swiglu_mlp
+from ninfer.ops.moe import moe_experts, moe_experts_fp32, moe_route_logits
 
 torch.set_num_threads(1)
 
@@ -314,7 +319,7 @@ def test_fused_moe_takes_the_decode_path_up_to_decode_max_pairs(
     calls: list[tuple[str, object]] = []
     for name in ("decode", "sorted"):
         monkeypatch.setattr(
-            kernels, f"_fused_moe_{name}", lambda *args, name=name: calls.append((name, args[-1]))
+            kernels, f"_fused_moe_{name}", lambda *args, name=name, **_: calls.append((name, args[-1]))
         )
     gen = torch.Generator().manual_seed(0)
     gate_up, down = _experts(8, H, I, gen)
@@ -331,6 +336,160 @@ def test_decode_config_tiles_are_powers_of_two(kernels: ModuleType) -> None:
         assert isinstance(kernels.default_decode_config(pairs), kernels.FusedMoeDecodeConfig)
     with pytest.raises(ValueError, match="down_block_h"):
         kernels.FusedMoeDecodeConfig(down_block_h=6)
+
+
+# ---- shared expert (interpreter) -----------------------------------------------------------------------
+
+
+def _shared_expert(
+    kernels: ModuleType, tokens: int, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype
+) -> tuple[object, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A SharedExpert whose gate_up and down are strided views (row strides hidden + 7 and inter + 5, as a
+    slice of a bigger stacked weight would be), and its (gate, up, down) for `swiglu_mlp`."""
+    stacked = torch.randn(2 * inter, hidden + 7, generator=gen) * hidden**-0.5
+    down_wide = torch.randn(hidden, inter + 5, generator=gen) * inter**-0.5
+    gate_up, down = stacked.to(dtype)[:, :hidden], down_wide.to(dtype)[:, :inter]
+    weight = torch.sigmoid(torch.randn(tokens, generator=gen))
+    shared = kernels.SharedExpert(gate_up=gate_up, down=down, weight=weight)
+    return shared, (gate_up[:inter], gate_up[inter:], down)
+
+
+def _with_shared(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    shared: object, shared_mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """The reference MoE block with the shared expert: fp32 routed sum + weight * shared output, one cast."""
+    routed = moe_experts_fp32(x, weights, ids.long(), gate_up, down)
+    shared_out = swiglu_mlp(x, *shared_mlp).float()
+    return (routed + shared.weight[:, None].float() * shared_out).to(x.dtype)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (3, 3), (5, 2)])
+@pytest.mark.parametrize("tiles", ["tiny", "tiny-four-experts-per-step", "default"])
+def test_decode_path_with_shared_expert_matches_reference(
+    kernels: ModuleType, tokens: int, top_k: int, tiles: str
+) -> None:
+    """Odd H and I (masked steps), the shared expert's rows strided, fp32 weights, poisoned out."""
+    gen = torch.Generator().manual_seed(30 + 10 * tokens + top_k)
+    x = torch.randn(tokens, DECODE_H, generator=gen)
+    gate_up, down = _experts(DECODE_E, DECODE_H, DECODE_I, gen)
+    weights, ids = _decode_routing(tokens, top_k, gen)
+    shared, shared_mlp = _shared_expert(kernels, tokens, DECODE_H, DECODE_I, gen, torch.float32)
+    config = {
+        "tiny": _tiny_decode_config(kernels),
+        "tiny-four-experts-per-step": _tiny_decode_config(kernels, down_experts=4, down_block_h=4),
+        "default": kernels.default_decode_config(tokens * top_k),
+    }[tiles]
+    out = torch.full((tokens, DECODE_H), float("nan"))
+
+    got = kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared, out=out, config=config)
+
+    assert got.data_ptr() == out.data_ptr()
+    expected = _with_shared(x, weights, ids, gate_up, down, shared, shared_mlp)
+    torch.testing.assert_close(got, expected, **CLOSE)
+    without = moe_experts(x, weights, ids, gate_up, down)
+    assert (got - without).abs().max() > 1e-2, "the shared term is missing"
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 13])
+@pytest.mark.parametrize("tiles", ["tiny", "sorted-default"])
+def test_sorted_path_with_shared_expert_matches_reference(
+    kernels: ModuleType, tokens: int, tiles: str
+) -> None:
+    gen = torch.Generator().manual_seed(40 + tokens)
+    x = torch.randn(tokens, H, generator=gen)
+    gate_up, down = _experts(E, H, I, gen)
+    weights, ids = _routing(tokens, E, K, gen)
+    shared, shared_mlp = _shared_expert(kernels, tokens, H, I, gen, torch.float32)
+    config = _tiny_config(kernels) if tiles == "tiny" else kernels.default_config(tokens * K)
+    out = torch.full((tokens, H), float("nan"))
+
+    got = kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared, out=out, config=config)
+
+    torch.testing.assert_close(got, _with_shared(x, weights, ids, gate_up, down, shared, shared_mlp), **CLOSE)
+
+
+def test_sorted_path_takes_a_shared_expert_of_another_width(kernels: ModuleType) -> None:
+    """The sorted path runs the shared expert in torch ops, so I_s may differ from I; the decode path
+    runs it as one more expert slot and refuses."""
+    gen = torch.Generator().manual_seed(50)
+    tokens, shared_inter = 5, 24
+    x = torch.randn(tokens, H, generator=gen)
+    gate_up, down = _experts(E, H, I, gen)
+    weights, ids = _routing(tokens, E, K, gen)
+    shared, shared_mlp = _shared_expert(kernels, tokens, H, shared_inter, gen, torch.float32)
+
+    got = kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared, config=_tiny_config(kernels))
+
+    torch.testing.assert_close(got, _with_shared(x, weights, ids, gate_up, down, shared, shared_mlp), **CLOSE)
+    with pytest.raises(ValueError, match="width 24"):
+        kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared)  # T*K = 10: the decode path
+
+
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_shared_expert_fp16_rounds_like_the_reference(kernels: ModuleType, path: str) -> None:
+    """fp16: the shared projections, SiLU product and output are rounded where swiglu_mlp rounds them and
+    the whole block once at the end: nearly every output bit-equal to the reference's."""
+    gen = torch.Generator().manual_seed(60)
+    tokens, top_k = 3, 3
+    x = torch.randn(tokens, DECODE_H, generator=gen).half()
+    gate_up, down = (w.half() for w in _experts(DECODE_E, DECODE_H, DECODE_I, gen))
+    weights, ids = _decode_routing(tokens, top_k, gen)
+    shared, shared_mlp = _shared_expert(kernels, tokens, DECODE_H, DECODE_I, gen, torch.float16)
+    config = _tiny_decode_config(kernels) if path == "decode" else _tiny_config(kernels)
+
+    got = kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared, config=config)
+
+    expected = _with_shared(x, weights, ids, gate_up, down, shared, shared_mlp)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-3)
+    assert (got != expected).float().mean() <= 0.05, "rounded at different points than the reference"
+
+
+def test_routing_kernel_feeds_fused_moe_with_shared_expert(kernels: ModuleType) -> None:
+    """The decode block as the model will run it: moe_route_topk's fp32 weights, int32 ids and shared
+    weight straight into fused_moe, against moe_route_logits + the reference block."""
+    routing = interpreted_kernels("ninfer.ops.triton.moe_routing")
+    gen = torch.Generator().manual_seed(70)
+    tokens, top_k = 3, 2
+    x = torch.randn(tokens, DECODE_H, generator=gen)
+    gate_up, down = _experts(DECODE_E, DECODE_H, DECODE_I, gen)
+    logits = torch.stack([torch.randperm(DECODE_E, generator=gen) for _ in range(tokens)]).float() / 4
+    gate = torch.randn(1, DECODE_H, generator=gen) * DECODE_H**-0.5
+    shared, shared_mlp = _shared_expert(kernels, tokens, DECODE_H, DECODE_I, gen, torch.float32)
+
+    weights, ids, shared_weight = routing.moe_route_topk(logits, top_k, x=x, shared_expert_gate=gate)
+    shared = kernels.SharedExpert(gate_up=shared.gate_up, down=shared.down, weight=shared_weight)
+    got = kernels.fused_moe(x, gate_up, down, weights, ids, shared=shared)
+
+    ref_weights, ref_ids = moe_route_logits(logits, top_k)
+    ref_shared = kernels.SharedExpert(
+        gate_up=shared.gate_up, down=shared.down, weight=torch.sigmoid(x @ gate.T).reshape(-1)
+    )
+    expected = _with_shared(x, ref_weights, ref_ids, gate_up, down, ref_shared, shared_mlp)
+    torch.testing.assert_close(got, expected, **CLOSE)
+
+
+def test_shared_expert_bad_arguments(kernels: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(80)
+    tokens = 3
+    x = torch.randn(tokens, H, generator=gen)
+    gate_up, down = _experts(E, H, I, gen)
+    weights, ids = _routing(tokens, E, K, gen)
+    shared, _ = _shared_expert(kernels, tokens, H, I, gen, torch.float32)
+    replace = dataclasses.replace
+    with pytest.raises(ValueError, match="shared.weight"):
+        kernels.fused_moe(x, gate_up, down, weights, ids, shared=replace(shared, weight=shared.weight[:2]))
+    with pytest.raises(ValueError, match="shared.gate_up"):
+        kernels.fused_moe(
+            x, gate_up, down, weights, ids, shared=replace(shared, gate_up=shared.gate_up[:, :-1])
+        )
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.fused_moe(
+            x, gate_up, down, weights, ids, shared=replace(shared, gate_up=shared.gate_up.double())
+        )
+    with pytest.raises(ValueError, match="K >= 1"):
+        kernels.fused_moe(x, gate_up, down, weights[:, :0], ids[:, :0], shared=shared)
 
 
 # ---- GPU, real shapes ----------------------------------------------------------------------------------
@@ -501,3 +660,156 @@ def test_fused_moe_cuda_graph_replays_new_routing(
         torch.cuda.synchronize()
         assert not out.isnan().any()
         assert _max_rel_err(out, moe_experts(new_x, new_weights, new_ids, gate_up, down)) < 1e-2
+
+
+# ---- GPU, shared expert --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_shared() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's layout: one stacked input projection [router E | shared gate I | shared up I] of which
+    the shared gate_up is a row slice, a separate shared down [H, I] and the shared-expert gate row [1, H]."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    input_proj = torch.randn(REAL_E + 2 * REAL_I, REAL_H, generator=gen, device="cuda") * REAL_H**-0.5
+    shared_down = torch.randn(REAL_H, REAL_I, generator=gen, device="cuda") * REAL_I**-0.5
+    gate = torch.randn(1, REAL_H, generator=gen, device="cuda") * REAL_H**-0.5
+    return input_proj.bfloat16(), shared_down.bfloat16(), gate.bfloat16()
+
+
+def _real_block_reference(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_weight: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    routed = moe_experts_fp32(x, weights, ids.long(), gate_up, down)
+    shared_out = swiglu_mlp(x, shared_gate_up[:REAL_I], shared_gate_up[REAL_I:], shared_down).float()
+    return (routed + shared_weight[:, None].float() * shared_out).to(x.dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    ("tokens", "path"), [(1, "auto"), (3, "auto"), (8, "auto"), (37, "auto"), (300, "auto"), (3, "sorted")]
+)
+def test_fused_moe_cuda_shared_expert_real_shapes(
+    real_experts: tuple[torch.Tensor, torch.Tensor],
+    real_shared: tuple[torch.Tensor, ...],
+    tokens: int,
+    path: str,
+) -> None:
+    """Shared gate_up a row slice of the stacked input projection, fp32 routing weights (as the routing
+    kernel gives them), poisoned out; T <= 8 auto: decode path, larger: sorted; deterministic."""
+    from ninfer.ops.triton.fused_moe import SharedExpert, default_config, fused_moe
+
+    gate_up, down = real_experts
+    input_proj, shared_down, _ = real_shared
+    shared_gate_up = input_proj[REAL_E:]
+    x, weights, ids = _real_routing(tokens, seed=400 + tokens)
+    weights = weights.float()
+    shared_weight = torch.rand(tokens, device="cuda")
+    shared = SharedExpert(gate_up=shared_gate_up, down=shared_down, weight=shared_weight)
+    config = default_config(tokens * REAL_K) if path == "sorted" else None
+
+    got = fused_moe(
+        x, gate_up, down, weights, ids, shared=shared, out=torch.full_like(x, float("nan")), config=config
+    )
+
+    assert not got.isnan().any()
+    expected = _real_block_reference(
+        x, weights, ids, gate_up, down, shared_gate_up, shared_down, shared_weight
+    )
+    assert _max_rel_err(got, expected) < 1e-2
+    routed_only = moe_experts(x, weights, ids, gate_up, down)
+    assert _max_rel_err(routed_only, expected) > 2e-2, "the shared term is too small to test"
+    again = fused_moe(x, gate_up, down, weights, ids, shared=shared, config=config)
+    assert torch.equal(again, got), "not deterministic"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_moe_cuda_shared_expert_odd_shapes(tokens: int, dtype: torch.dtype) -> None:
+    """H, I not multiples of any tile, strided shared weights, K = 3 (T=1, 5: decode path; 37: sorted)."""
+    from ninfer.ops.triton.fused_moe import SharedExpert, fused_moe
+
+    gen = torch.Generator().manual_seed(500 + tokens)
+    num_experts, top_k, hidden, inter = 10, 3, 200, 72
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", dtype)
+    gate_up, down = (w.to("cuda", dtype) for w in _experts(num_experts, hidden, inter, gen))
+    weights, ids = _routing(tokens, num_experts, top_k, gen)
+    weights, ids = weights.cuda(), ids.to("cuda", torch.int32)
+    stacked = (torch.randn(2 * inter, hidden + 8, generator=gen) * hidden**-0.5).to("cuda", dtype)
+    shared_down = (torch.randn(hidden, inter, generator=gen) * inter**-0.5).to("cuda", dtype)
+    shared_weight = torch.rand(tokens, generator=gen).cuda()
+    shared = SharedExpert(gate_up=stacked[:, :hidden], down=shared_down, weight=shared_weight)
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:  # the fp32 oracle without TF32
+        routed = moe_experts_fp32(x, weights, ids.long(), gate_up, down)
+        shared_out = swiglu_mlp(x, stacked[:inter, :hidden], stacked[inter:, :hidden], shared_down).float()
+        expected = (routed + shared_weight[:, None] * shared_out).to(dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, out=torch.full_like(x, float("nan")))
+
+    assert not got.isnan().any()
+    assert _max_rel_err(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("tokens", "path"), [(3, "decode"), (9, "sorted")])
+def test_routing_and_fused_moe_with_shared_expert_cuda_graph(
+    real_experts: tuple[torch.Tensor, torch.Tensor],
+    real_shared: tuple[torch.Tensor, ...],
+    tokens: int,
+    path: str,
+) -> None:
+    """The decode MoE block after the router GEMM (routing kernel + fused_moe with the shared expert)
+    captured once, replayed with new x and router logits copied into the captured tensors; against
+    moe_route_logits + the reference block. Logits without ties (distinct multiples of 1/32, exact in
+    bf16), so the reference's top-k is unique."""
+    from ninfer.ops.triton.fused_moe import DECODE_MAX_PAIRS, SharedExpert, default_config, fused_moe
+    from ninfer.ops.triton.moe_routing import moe_route_topk
+
+    assert (tokens * REAL_K <= DECODE_MAX_PAIRS) == (path == "decode")
+    config = default_config(tokens * REAL_K) if path == "sorted" else None
+    gate_up, down = real_experts
+    input_proj, shared_down, gate = real_shared
+    shared_gate_up = input_proj[REAL_E:]
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, REAL_H, generator=gen, device="cuda").bfloat16()
+        perms = torch.stack([torch.randperm(REAL_E, generator=gen, device="cuda") for _ in range(tokens)])
+        return x, ((perms.float() - REAL_E / 2) / 32).bfloat16()
+
+    x, logits = inputs(1)
+    out = torch.full_like(x, float("nan"))
+
+    def block() -> None:
+        weights, ids, shared_weight = moe_route_topk(logits, REAL_K, x=x, shared_expert_gate=gate)
+        shared = SharedExpert(gate_up=shared_gate_up, down=shared_down, weight=shared_weight)
+        fused_moe(x, gate_up, down, weights, ids, shared=shared, out=out, config=config)
+
+    block()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block()
+
+    for seed in (2, 3, 4):
+        new_x, new_logits = inputs(seed)
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        ref_weights, ref_ids = moe_route_logits(new_logits, REAL_K)
+        shared_weight = torch.sigmoid(torch.nn.functional.linear(new_x, gate).float()).reshape(-1)
+        expected = _real_block_reference(
+            new_x, ref_weights, ref_ids, gate_up, down, shared_gate_up, shared_down, shared_weight
+        )
+        assert _max_rel_err(out, expected) < 1e-2

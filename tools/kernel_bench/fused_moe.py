@@ -3,6 +3,7 @@
     python3 -m tools.kernel_bench.fused_moe [--tokens 1 8 ...] [--config '{"block_m": 16, ...}']
                                             [--decode-config '{"down_experts": 8, ...}']
     python3 -m tools.kernel_bench.fused_moe --sweep [--tokens 1 2 4 8]
+    python3 -m tools.kernel_bench.fused_moe --block [--tokens 1 2 4 8]
 
 E=256 experts, top-8, H=2048, I=512, bf16, routing from a random router (distinct experts per token).
 
@@ -15,6 +16,16 @@ max|fast - ref| / max|ref| against `moe_experts`. Decode rows also give the sort
 comparison. A last line checks every error against the bf16 bound. `--config` (JSON of `FusedMoeConfig`
 fields) overrides the sorted path's table config, `--decode-config` (JSON of `FusedMoeDecodeConfig` fields)
 the decode path's, for every T. With OUT set, the rows also go to $OUT/fused_moe.json.
+
+MoE block rows (also in the default run; `--block` runs only them): at T in {1, 2, 4, 8} the whole decode MoE
+block after the hidden state as the model runs it, each inside one CUDA graph: new = router GEMM
+(E rows) + `moe_route_topk` (routing + shared-expert gate) + `fused_moe(shared=...)` (3 launches after
+the GEMM); old = the current torch sequence: stacked GEMM [router | shared gate | shared up], gate GEMV,
+`moe_route_logits`, `fused_moe`, swiglu, shared down GEMM and the fp32 combine. Each row gives both graph
+times, the speed-up, the routing alone (kernel vs `moe_route_logits`, graphs), bytes (router + distinct
+experts + shared expert weights) and GB/s of the new block, whether the ids equal `moe_route_logits`'s,
+and the max relative error of the new block against the plain-PyTorch block (moe_experts_fp32 + the
+shared SwiGLU, on the kernel's routing). With OUT set, they go to $OUT/fused_moe_block.json.
 
 `--sweep`: for a few decode tile choices (SWEEP) at T in {1, 2, 4, 8}, the graph-replay time of the whole
 decode path and of each of its two kernels alone, with their GB/s (weight bytes of the distinct experts
@@ -29,22 +40,27 @@ import dataclasses
 import json
 
 import torch
+import torch.nn.functional as F
 
-from ninfer.ops.moe import moe_experts, moe_experts_gathered
+from ninfer.ops.mlp import swiglu, swiglu_mlp
+from ninfer.ops.moe import moe_experts, moe_experts_fp32, moe_experts_gathered, moe_route_logits
 from ninfer.ops.triton.fused_moe import (
     DECODE_MAX_PAIRS,
     FusedMoeDecodeConfig,
+    SharedExpert,
     _decode_down_combine,
     _decode_gate_up,
     default_config,
     default_decode_config,
     fused_moe,
 )
+from ninfer.ops.triton.moe_routing import moe_route_topk
 from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
 
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
 TOKENS = (1, 2, 4, 8, 64, 512, 2048, 8192)
 SWEEP_TOKENS = (1, 2, 4, 8)
+BLOCK_TOKENS = (1, 2, 4, 8)
 GRAPH_MAX_TOKENS = 64
 GATHERED_REF_MAX_TOKENS = 8
 DEVICE = "cuda"
@@ -209,6 +225,95 @@ def sweep_one(
     return row
 
 
+def _block_weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's layout: stacked [router E | shared gate I | shared up I] x H, shared down [H, I], and
+    the shared-expert gate row [1, H]."""
+    input_proj = torch.randn(EXPERTS + 2 * INTER, HIDDEN, generator=gen, device=DEVICE) * HIDDEN**-0.5
+    shared_down = torch.randn(HIDDEN, INTER, generator=gen, device=DEVICE) * INTER**-0.5
+    gate = torch.randn(1, HIDDEN, generator=gen, device=DEVICE) * HIDDEN**-0.5
+    return input_proj.bfloat16(), shared_down.bfloat16(), gate.bfloat16()
+
+
+def bench_block(
+    tokens: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    block_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gen: torch.Generator,
+) -> dict[str, object]:
+    """Graph-replay time of the decode MoE block: routing kernel + fused_moe(shared) vs the torch sequence."""
+    input_proj, shared_down, gate = block_weights
+    router, shared_gate_up = input_proj[:EXPERTS], input_proj[EXPERTS:]
+    x = torch.randn(tokens, HIDDEN, generator=gen, device=DEVICE).bfloat16()
+    out = torch.empty_like(x)
+    logits = F.linear(x, router)
+
+    def new_block() -> torch.Tensor:
+        router_logits = F.linear(x, router)
+        weights, ids, shared_weight = moe_route_topk(router_logits, TOP_K, x=x, shared_expert_gate=gate)
+        shared = SharedExpert(gate_up=shared_gate_up, down=shared_down, weight=shared_weight)
+        return fused_moe(x, gate_up, down, weights, ids, shared=shared, out=out)
+
+    def old_block() -> torch.Tensor:
+        router_logits, shared_gate, shared_up = F.linear(x, input_proj).split([EXPERTS, INTER, INTER], dim=-1)
+        gate_logit = F.linear(x, gate)
+        weights, ids = moe_route_logits(router_logits, TOP_K)
+        routed = fused_moe(x, gate_up, down, weights, ids)
+        shared_out = F.linear(swiglu(shared_gate, shared_up), shared_down)
+        return (routed.float() + torch.sigmoid(gate_logit.float()) * shared_out.float()).to(x.dtype)
+
+    def new_route() -> None:
+        moe_route_topk(logits, TOP_K, x=x, shared_expert_gate=gate)
+
+    def old_route() -> None:
+        moe_route_logits(logits, TOP_K)
+        torch.sigmoid(F.linear(x, gate).float())
+
+    got = new_block().clone()
+    weights, ids, shared_weight = moe_route_topk(logits, TOP_K, x=x, shared_expert_gate=gate)
+    ids_match = bool(torch.equal(ids.long(), moe_route_logits(logits, TOP_K)[1]))
+    # the plain-PyTorch block on the kernel's routing (a tie among bf16 logits may order ids differently)
+    shared_mlp = swiglu_mlp(x, shared_gate_up[:INTER], shared_gate_up[INTER:], shared_down).float()
+    reference_shared = torch.sigmoid(F.linear(x, gate).float())
+    expected = (moe_experts_fp32(x, weights, ids.long(), gate_up, down) + reference_shared * shared_mlp).to(
+        x.dtype
+    )
+    error = max_rel_error(got, expected)
+    old_error = max_rel_error(old_block(), expected)
+
+    new_us = time_us(graphed(new_block))
+    old_us = time_us(graphed(old_block))
+    route_us = time_us(graphed(new_route))
+    old_route_us = time_us(graphed(old_route))
+
+    distinct = int(ids.unique().numel())
+    weight_bytes = (distinct + 1) * 3 * HIDDEN * INTER * 2 + EXPERTS * HIDDEN * 2 + HIDDEN * 2
+    nbytes = weight_bytes + 2 * tokens * HIDDEN * 2
+    row = {
+        "tokens": tokens,
+        "name": "block",
+        "distinct_experts": distinct,
+        "new_graph_us": round(new_us, 2),
+        "old_graph_us": round(old_us, 2),
+        "speedup": round(old_us / new_us, 2),
+        "route_graph_us": round(route_us, 2),
+        "old_route_graph_us": round(old_route_us, 2),
+        "bytes": nbytes,
+        "GB/s": round(nbytes / new_us / 1e3, 1),
+        "ids_match_reference": ids_match,
+        "max_rel_err": error,
+        "old_max_rel_err": old_error,
+    }
+    print(
+        f"block T={tokens}  experts {distinct:2d}  new {new_us:7.2f} us  old {old_us:7.2f} us  "
+        f"x{row['speedup']:.2f}  routing {route_us:6.2f} us (torch {old_route_us:6.2f} us)  "
+        f"{nbytes / 1e6:6.1f} MB {row['GB/s']:7.1f} GB/s  ids {'=' if ids_match else '!='} ref  "
+        f"err {error:.2e} (old {old_error:.2e})",
+        flush=True,
+    )
+    return row
+
+
 def _experts(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen, device=DEVICE, dtype=torch.bfloat16)
@@ -223,6 +328,7 @@ def main() -> None:
     parser.add_argument("--config", default="{}", help="JSON of FusedMoeConfig fields (sorted path)")
     parser.add_argument("--decode-config", default="{}", help="JSON of FusedMoeDecodeConfig fields")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP decode tiles instead")
+    parser.add_argument("--block", action="store_true", help="time only the decode MoE block rows")
     args = parser.parse_args()
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -237,6 +343,18 @@ def main() -> None:
         finish("fused_moe_sweep", rows)
         return
 
+    if not args.block:
+        run_experts(args, gate_up, down, gen)
+    print(f"MoE decode block  E={EXPERTS} K={TOP_K} H={HIDDEN} I={INTER} shared I={INTER} bf16", flush=True)
+    block_weights = _block_weights(gen)
+    block_tokens = (args.tokens if args.block else None) or list(BLOCK_TOKENS)
+    finish("fused_moe_block", [bench_block(t, gate_up, down, block_weights, gen) for t in block_tokens])
+
+
+def run_experts(
+    args: argparse.Namespace, gate_up: torch.Tensor, down: torch.Tensor, gen: torch.Generator
+) -> None:
+    """The default rows: the routed experts alone at every T."""
     overrides, decode_overrides = json.loads(args.config), json.loads(args.decode_config)
     print(
         f"fused_moe  E={EXPERTS} K={TOP_K} H={HIDDEN} I={INTER} bf16  "

@@ -3,9 +3,13 @@
 
     out[t] = sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = expert_ids[t, k]
 
-with gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I]. Only the routed experts: the
-router and the shared expert stay outside. Two paths, both fully on the device (no host sync, every shape
-and grid from the static T and K, so either can be captured in the decode CUDA graph):
+with gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I]. The router stays outside
+(`ninfer.ops.triton.moe_routing` gives the fp32 weights, int32 ids and the shared-expert weight in one
+launch). With `shared=SharedExpert(gate_up [2I_s, H], down [H, I_s], weight [T])` the always-on shared expert
+joins the same fp32 sum, out[t] += weight[t] * shared(x[t]), rounded once at the end as `_moe_mlp` does, so
+the MoE block of a decode step is three launches after the router GEMM. Two paths, both fully on the
+device (no host sync, every shape and grid from the static T and K, so either can be captured in the decode
+CUDA graph):
 
 Decode path (T*K <= DECODE_MAX_PAIRS, two launches, no sort). With a few (token, expert) pairs the call is
 bound by reading the selected experts' weights (3*H*I*2 bytes each, ~50 MB at T=1) and by launch count, so
@@ -20,6 +24,11 @@ expert gives nothing for the tensor cores to reuse):
    DOWN_EXPERTS experts per step as one [DOWN_EXPERTS, BLOCK_H, BLOCK_I] tile (a large independent load, so
    many bytes are in flight per program), reduces over I, rounds each expert output to the model dtype and
    adds weight * output in fp32, in a fixed order (deterministic, no atomics, no separate sum kernel).
+
+The shared expert rides in the same two launches as slot K of every token (needs I_s == I): the gate_up
+grid covers T*(K+1) pairs and a scalar branch points slot K's program at the shared rows instead of an
+expert's; the down program loads the shared down rows first (independent loads, in flight with the
+experts') and adds weight[t] * (its rounded output) after the routed sum.
 
 A pair whose expert is shared with another token re-reads that expert's rows; the pairs of one n block run
 side by side (pair is the fastest launch index), so the repeat mostly hits L2. That waste grows with the
@@ -42,7 +51,9 @@ Sorted path (larger T*K: prefill, where each expert's weights are reused across 
    contiguous rows).
 3. down GEMM: one program per (block, BLOCK_N hidden columns) writes each pair's expert output [P, H]
    (model dtype, pair order t*K + k); a last small kernel forms sum_k weights[t, k] * y[t*K + k] in fp32 in
-   a fixed k order (deterministic, no float atomics) and casts to x's dtype.
+   a fixed k order (deterministic, no float atomics) and casts to x's dtype. A shared expert is computed
+   with torch ops (two GEMMs and the SwiGLU, each rounded as the reference rounds) and only its weighted
+   add joins this sum: prefill is GEMM-bound, so the fused form would save little there.
 
 Roundings follow the reference on both paths: gate and up projections, the SiLU product and each expert
 output are rounded to the model dtype; the routing weight multiplies the rounded expert output in fp32.
@@ -59,6 +70,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -67,6 +79,7 @@ __all__ = [
     "ExpertBlocks",
     "FusedMoeConfig",
     "FusedMoeDecodeConfig",
+    "SharedExpert",
     "align_pairs_by_expert",
     "default_config",
     "default_decode_config",
@@ -157,6 +170,21 @@ def default_decode_config(num_pairs: int) -> FusedMoeDecodeConfig:
         if num_pairs <= max_pairs:
             return config
     return _DECODE_CONFIGS[-1][1]
+
+
+@dataclass(frozen=True, eq=False)
+class SharedExpert:
+    """The always-on shared expert of a MoE block, added to the routed sum with a per-token weight.
+
+    gate_up [2I_s, H]: rows [0:I_s] gate, [I_s:2I_s] up (any row stride, contiguous last dim: it may be a
+    row slice of a bigger stacked projection); down [H, I_s]; weight [T] (fp32 from `moe_route_topk`).
+    Contributes weight[t] * round(down @ round(silu(round(gate @ x[t])) * round(up @ x[t]))), each round
+    to x's dtype, as `ninfer.ops.mlp.swiglu_mlp` computes it.
+    """
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    weight: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -465,8 +493,9 @@ def _down_kernel(
 
 @triton.jit
 def _weighted_sum_kernel(
-    pair_out_ptr, weights_ptr, out_ptr, hidden_size, w_stride_t, w_stride_k, out_stride_t,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    pair_out_ptr, weights_ptr, out_ptr, shared_out_ptr, shared_weight_ptr,
+    hidden_size, w_stride_t, w_stride_k, out_stride_t, shared_out_stride_t, shared_weight_stride_t,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -476,6 +505,10 @@ def _weighted_sum_kernel(
         weight = tl.load(weights_ptr + token * w_stride_t + k * w_stride_k).to(tl.float32)
         expert_out = tl.load(pair_out_ptr + (token * TOP_K + k) * hidden_size + offs, mask=mask, other=0.0)
         acc += weight * expert_out.to(tl.float32)
+    if HAS_SHARED:  # after the routed sum, as the reference adds it; one rounding at the end
+        shared_weight = tl.load(shared_weight_ptr + token * shared_weight_stride_t).to(tl.float32)
+        shared_out = tl.load(shared_out_ptr + token * shared_out_stride_t + offs, mask=mask, other=0.0)
+        acc += shared_weight * shared_out.to(tl.float32)
     tl.store(out_ptr + token * out_stride_t + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -484,22 +517,35 @@ def _weighted_sum_kernel(
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, hidden_ptr,
-    inter_size, x_stride_t, w_stride_e, w_stride_n, ids_stride_t, ids_stride_k,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
-    HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, hidden_ptr, shared_w_ptr,
+    inter_size, x_stride_t, w_stride_e, w_stride_n, ids_stride_t, ids_stride_k, shared_w_stride_n,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
+    SLOTS = TOP_K + HAS_SHARED  # a token's routed experts, then its shared expert
     pair = tl.program_id(0)
-    token = pair // TOP_K
-    expert = tl.load(ids_ptr + token.to(tl.int64) * ids_stride_t + (pair - token * TOP_K) * ids_stride_k)
+    token = pair // SLOTS
+    slot = pair - token * SLOTS
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_K)
     io_dtype = hidden_ptr.dtype.element_ty
 
     x_ptrs = x_ptr + token.to(tl.int64) * x_stride_t + offs_k
-    gate_ptrs = w_ptr + expert.to(tl.int64) * w_stride_e + offs_n[:, None] * w_stride_n + offs_k[None, :]
-    up_ptrs = gate_ptrs + inter_size * w_stride_n
+    # with HAS_SHARED, slot TOP_K of a token is the shared expert: only the rows' base and stride differ, so
+    # a scalar branch picks them and the loop below is the same for every slot (its ids read is clamped
+    # to a valid slot and unused)
+    expert = tl.load(ids_ptr + token.to(tl.int64) * ids_stride_t + tl.minimum(slot, TOP_K - 1) * ids_stride_k)
+    rows_base = w_ptr + expert.to(tl.int64) * w_stride_e
+    row_offs = offs_n[:, None] * w_stride_n
+    up_offs = (offs_n[:, None] + inter_size) * w_stride_n
+    if HAS_SHARED:  # noqa: SIM102 (a constexpr branch: no code without a shared expert)
+        if slot == TOP_K:
+            rows_base = shared_w_ptr
+            row_offs = offs_n[:, None] * shared_w_stride_n
+            up_offs = (offs_n[:, None] + inter_size) * shared_w_stride_n
+    gate_ptrs = rows_base + row_offs + offs_k[None, :]
+    up_ptrs = rows_base + up_offs + offs_k[None, :]
     # Elementwise fp32 partial sums, reduced once after the loop: the steps stay independent loads + FMAs
     # (no cross-thread reduction per step), and the unrolled steps let the compiler issue loads early.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -529,17 +575,35 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_combine_kernel(
-    hidden_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,
+    hidden_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, shared_w_ptr, shared_weight_ptr,
     hidden_size, w_stride_e, w_stride_h, ids_stride_t, ids_stride_k, weights_stride_t, weights_stride_k,
-    out_stride_t,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, I_STEPS: tl.constexpr,
-    EXPERTS_PER_STEP: tl.constexpr, INTER_SIZE: tl.constexpr, EVEN_I: tl.constexpr,
+    out_stride_t, shared_w_stride_h, shared_weight_stride_t,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    I_STEPS: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, INTER_SIZE: tl.constexpr, EVEN_I: tl.constexpr,
 ):  # fmt: skip
+    SLOTS = TOP_K + HAS_SHARED  # rows of the intermediate per token (the shared expert's last)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < hidden_size
     offs_i = tl.arange(0, BLOCK_I)
     io_dtype = hidden_ptr.dtype.element_ty
+
+    if HAS_SHARED:
+        # The shared expert's down rows first in program order: their loads are independent of the routed
+        # experts' and can be in flight with them; the term is added last, as the reference adds it.
+        shared_hidden_ptrs = hidden_ptr + (token * SLOTS + TOP_K) * INTER_SIZE + offs_i
+        shared_w_ptrs = shared_w_ptr + offs_h[:, None] * shared_w_stride_h + offs_i[None, :]
+        shared_acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        for step in tl.static_range(I_STEPS):
+            if EVEN_I:
+                a = tl.load(shared_hidden_ptrs + step * BLOCK_I)
+                w = tl.load(shared_w_ptrs + step * BLOCK_I, mask=h_mask[:, None], other=0.0)
+            else:
+                i_mask = offs_i < INTER_SIZE - step * BLOCK_I
+                a = tl.load(shared_hidden_ptrs + step * BLOCK_I, mask=i_mask, other=0.0)
+                w = tl.load(shared_w_ptrs + step * BLOCK_I, mask=h_mask[:, None] & i_mask[None, :], other=0.0)
+            shared_acc += w.to(io_dtype).to(tl.float32) * a.to(tl.float32)[None, :]
+        shared_out = tl.sum(shared_acc, axis=1).to(io_dtype).to(tl.float32)  # rounded like any expert's
 
     out = tl.zeros([BLOCK_H], dtype=tl.float32)
     for first_slot in tl.static_range(0, TOP_K, EXPERTS_PER_STEP):  # fixed order over k: deterministic
@@ -549,7 +613,7 @@ def _decode_down_combine_kernel(
         weight = tl.load(
             weights_ptr + token * weights_stride_t + slots * weights_stride_k, mask=slot_mask, other=0.0
         ).to(tl.float32)
-        hidden_ptrs = hidden_ptr + (token * TOP_K + slots)[:, None] * INTER_SIZE + offs_i[None, :]
+        hidden_ptrs = hidden_ptr + (token * SLOTS + slots)[:, None] * INTER_SIZE + offs_i[None, :]
         w_ptrs = (
             w_ptr
             + experts.to(tl.int64)[:, None, None] * w_stride_e
@@ -571,39 +635,50 @@ def _decode_down_combine_kernel(
         # each expert output rounded to the model dtype, then weighted in fp32 (as the reference does)
         expert_out = tl.sum(acc, axis=2).to(io_dtype).to(tl.float32)  # [experts, BLOCK_H]
         out += tl.sum(weight[:, None] * expert_out, axis=0)
+    if HAS_SHARED:
+        out += tl.load(shared_weight_ptr + token * shared_weight_stride_t).to(tl.float32) * shared_out
     tl.store(out_ptr + token * out_stride_t + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 def _decode_gate_up(
     x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, hidden: torch.Tensor,
-    config: FusedMoeDecodeConfig,
+    config: FusedMoeDecodeConfig, shared: SharedExpert | None = None,
 ) -> None:  # fmt: skip
-    """hidden [T*K, I] (x's dtype, pair order) <- silu(gate[e] @ x[t]) * (up[e] @ x[t]) for every pair."""
+    """hidden [T*S, I] (x's dtype, row t*S + slot) <- silu(gate[e] @ x[t]) * (up[e] @ x[t]) for every
+    pair, S = K slots, or K + 1 with the shared expert's row last."""
     hidden_size = x.shape[1]
     num_pairs, inter_size = hidden.shape
     block_k = min(config.gate_up_block_k, triton.next_power_of_2(hidden_size))
+    # no shared expert: its pointer and stride are placeholders the kernel never reads
+    shared_gate_up = shared.gate_up if shared is not None else gate_up
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, config.gate_up_block_n))](
-        x, gate_up, expert_ids, hidden,
+        x, gate_up, expert_ids, hidden, shared_gate_up,
         inter_size, x.stride(0), gate_up.stride(0), gate_up.stride(1), *expert_ids.stride(),
-        TOP_K=expert_ids.shape[1], BLOCK_N=config.gate_up_block_n, BLOCK_K=block_k,
-        K_STEPS=triton.cdiv(hidden_size, block_k), HIDDEN_SIZE=hidden_size,
+        shared_gate_up.stride(-2),
+        TOP_K=expert_ids.shape[1], HAS_SHARED=shared is not None, BLOCK_N=config.gate_up_block_n,
+        BLOCK_K=block_k, K_STEPS=triton.cdiv(hidden_size, block_k), HIDDEN_SIZE=hidden_size,
         EVEN_K=hidden_size % block_k == 0, num_warps=config.gate_up_warps,
     )  # fmt: skip
 
 
 def _decode_down_combine(
     hidden: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-    out: torch.Tensor, config: FusedMoeDecodeConfig,
+    out: torch.Tensor, config: FusedMoeDecodeConfig, shared: SharedExpert | None = None,
 ) -> None:  # fmt: skip
-    """out [T, H] <- sum_k weights[t, k] * (down[e] @ hidden[t*K + k]), expert outputs rounded first."""
+    """out [T, H] <- sum_k weights[t, k] * (down[e] @ hidden[t*S + k]) (+ shared.weight[t] *
+    (shared.down @ hidden[t*S + K])), expert outputs rounded first."""
     tokens, hidden_size = out.shape
     inter_size = hidden.shape[1]
     top_k = expert_ids.shape[1]
     block_i = min(config.down_block_i, triton.next_power_of_2(inter_size))
+    # no shared expert: placeholders the kernel never reads
+    shared_down, shared_weight = (shared.down, shared.weight) if shared is not None else (down, weights)
     _decode_down_combine_kernel[(tokens, triton.cdiv(hidden_size, config.down_block_h))](
-        hidden, down, expert_ids, weights, out,
+        hidden, down, expert_ids, weights, out, shared_down, shared_weight,
         hidden_size, down.stride(0), down.stride(1), *expert_ids.stride(), *weights.stride(), out.stride(0),
-        TOP_K=top_k, BLOCK_H=config.down_block_h, BLOCK_I=block_i, I_STEPS=triton.cdiv(inter_size, block_i),
+        shared_down.stride(-2), shared_weight.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_H=config.down_block_h, BLOCK_I=block_i,
+        I_STEPS=triton.cdiv(inter_size, block_i),
         EXPERTS_PER_STEP=min(config.down_experts, triton.next_power_of_2(top_k)), INTER_SIZE=inter_size,
         EVEN_I=inter_size % block_i == 0, num_warps=config.down_warps,
     )  # fmt: skip
@@ -612,14 +687,51 @@ def _decode_down_combine(
 def _fused_moe_decode(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
     expert_ids: torch.Tensor, out: torch.Tensor, config: FusedMoeDecodeConfig,
+    shared: SharedExpert | None = None,
 ) -> None:  # fmt: skip
-    hidden = torch.empty((expert_ids.numel(), down.shape[2]), dtype=x.dtype, device=x.device)
-    _decode_gate_up(x, gate_up, expert_ids, hidden, config)
-    _decode_down_combine(hidden, down, expert_ids, weights, out, config)
+    tokens, top_k = expert_ids.shape
+    slots = top_k + (shared is not None)
+    hidden = torch.empty((tokens * slots, down.shape[2]), dtype=x.dtype, device=x.device)
+    _decode_gate_up(x, gate_up, expert_ids, hidden, config, shared)
+    _decode_down_combine(hidden, down, expert_ids, weights, out, config, shared)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_shared(
+    shared: SharedExpert, x: torch.Tensor, gate_up: torch.Tensor, inter_size: int, decode: bool
+) -> SharedExpert:
+    """Shapes of the shared expert against x; the decode path also needs the routed experts' I and
+    gate_up dtype (its gate_up kernel picks the shared rows by pointer, in the same loop)."""
+    tokens, hidden_size = x.shape
+    shared_inter = shared.down.shape[-1] if shared.down.dim() == 2 else -1
+    if shared.gate_up.shape != (2 * shared_inter, hidden_size) or shared.down.shape != (
+        hidden_size,
+        shared_inter,
+    ):
+        raise ValueError(
+            f"shared.gate_up {tuple(shared.gate_up.shape)} / shared.down {tuple(shared.down.shape)} must be "
+            f"[2*I_s, {hidden_size}] / [{hidden_size}, I_s]"
+        )
+    if shared.weight.shape != (tokens,) or not shared.weight.is_floating_point():
+        raise ValueError(f"shared.weight must be [{tokens}] floating point, got {tuple(shared.weight.shape)}")
+    if decode and shared_inter != inter_size:
+        raise ValueError(
+            f"the decode path runs the shared expert as one more expert slot: its width {shared_inter} must "
+            f"equal the routed experts' {inter_size} (or take the sorted path with a FusedMoeConfig)"
+        )
+    if decode and shared.gate_up.dtype != gate_up.dtype:
+        raise ValueError(
+            f"the decode path needs shared.gate_up in gate_up's dtype {gate_up.dtype}, "
+            f"got {shared.gate_up.dtype}"
+        )
+    return SharedExpert(
+        gate_up=_last_dim_contiguous(shared.gate_up),
+        down=_last_dim_contiguous(shared.down),
+        weight=shared.weight,
+    )
 
 
 def fused_moe(
@@ -629,19 +741,22 @@ def fused_moe(
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     *,
+    shared: SharedExpert | None = None,
     out: torch.Tensor | None = None,
     config: FusedMoeConfig | FusedMoeDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_k weights[t, k] * expert_{expert_ids[t, k]}(x[t]) -> [T, H] in x's dtype.
 
     x [T, H] bf16/fp16/fp32; gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up); down [E, H, I] (weights are
-    cast to x's dtype as they are read); weights [T, K] any float dtype; expert_ids [T, K] int32/int64 with
-    values in [0, E) (not checked: that would need a host sync). `out` may supply the [T, H] buffer (x's
-    dtype, contiguous last dim, not aliasing x). Path: `config=None` takes the decode path with
-    `default_decode_config(T*K)` when T*K <= DECODE_MAX_PAIRS, else the sorted path with
+    cast to x's dtype as they are read); weights [T, K] any float dtype (fp32 from `moe_route_topk`, or the
+    model dtype); expert_ids [T, K] int32/int64 with values in [0, E) (not checked: that would need a host
+    sync). `shared` adds shared.weight[t] * shared_expert(x[t]) inside the same fp32 sum (see
+    `SharedExpert`), rounded to x's dtype once at the end, as `_moe_mlp` combines them. `out` may supply
+    the [T, H] buffer (x's dtype, contiguous last dim, not aliasing x). Path: `config=None` takes the decode
+    path with `default_decode_config(T*K)` when T*K <= DECODE_MAX_PAIRS, else the sorted path with
     `default_config(T*K)`; a `FusedMoeDecodeConfig` forces the decode path and a `FusedMoeConfig` the
-    sorted path. Same result as `ninfer.ops.moe.moe_experts` up to fp32 summation order; deterministic;
-    no host sync.
+    sorted path. Same result as `ninfer.ops.moe.moe_experts` (+ the shared term) up to fp32 summation
+    order; deterministic; no host sync.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
@@ -664,24 +779,39 @@ def fused_moe(
         raise ValueError(f"out must be [{tokens}, {hidden_size}] {x.dtype} with a contiguous last dim")
     top_k = expert_ids.shape[1]
     num_pairs = tokens * top_k
+    if config is None and num_pairs <= DECODE_MAX_PAIRS:
+        config = default_decode_config(num_pairs)
+    decode = isinstance(config, FusedMoeDecodeConfig)
+    if shared is not None:
+        if top_k == 0:
+            raise ValueError("a shared expert needs K >= 1 routed experts")
+        shared = _check_shared(shared, x, gate_up, inter_size, decode)
     if num_pairs == 0:
         return out.zero_()  # T = 0 is empty; K = 0 sums nothing
 
     x = _last_dim_contiguous(x)
     gate_up = _last_dim_contiguous(gate_up)
     down = _last_dim_contiguous(down)
-    if config is None and num_pairs <= DECODE_MAX_PAIRS:
-        config = default_decode_config(num_pairs)
-    if isinstance(config, FusedMoeDecodeConfig):
-        _fused_moe_decode(x, gate_up, down, weights, expert_ids, out, config)
+    if decode:
+        _fused_moe_decode(x, gate_up, down, weights, expert_ids, out, config, shared=shared)
     else:
-        _fused_moe_sorted(x, gate_up, down, weights, expert_ids, out, config or default_config(num_pairs))
+        config = config or default_config(num_pairs)
+        _fused_moe_sorted(x, gate_up, down, weights, expert_ids, out, config, shared=shared)
     return out
+
+
+def _shared_expert_out(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """shared.down @ (silu(gate) * up) [T, H] in x's dtype, rounded where `swiglu_mlp` rounds (both
+    projections, the SiLU product, the output): one GEMM for gate and up, one for down."""
+    inter = shared.down.shape[1]
+    projected = F.linear(x, shared.gate_up.to(x.dtype))
+    hidden = (F.silu(projected[:, :inter].float()) * projected[:, inter:].float()).to(x.dtype)
+    return F.linear(hidden, shared.down.to(x.dtype))
 
 
 def _fused_moe_sorted(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-    expert_ids: torch.Tensor, out: torch.Tensor, config: FusedMoeConfig,
+    expert_ids: torch.Tensor, out: torch.Tensor, config: FusedMoeConfig, shared: SharedExpert | None = None,
 ) -> None:  # fmt: skip
     tokens, hidden_size = x.shape
     num_experts, inter_size = gate_up.shape[0], down.shape[2]
@@ -713,7 +843,12 @@ def _fused_moe_sorted(
         num_warps=config.down_warps, num_stages=config.down_stages,
     )  # fmt: skip
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden_size))
+    # the shared expert in torch ops; only its weighted add joins the fp32 sum (no placeholder reads)
+    shared_out = _shared_expert_out(x, shared) if shared is not None else pair_out
+    shared_weight = shared.weight if shared is not None else weights
     _weighted_sum_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
-        pair_out, weights, out, hidden_size, weights.stride(0), weights.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        pair_out, weights, out, shared_out, shared_weight,
+        hidden_size, weights.stride(0), weights.stride(1), out.stride(0), shared_out.stride(0),
+        shared_weight.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
