@@ -26,7 +26,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.moe import moe_route_logits
 from ninfer.ops.rope import mrope_cos_sin
 from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads
 from ninfer.targets.qwen3_6.variant import Variant
@@ -215,7 +214,7 @@ def forward(
         selected = hidden
     else:
         raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
-    return ForwardOutput(hidden=hidden, logits=F.linear(selected, text.lm_head).float())
+    return ForwardOutput(hidden=hidden, logits=kernels.linear(selected, text.lm_head).float())
 
 
 def _layer_blocks(
@@ -277,11 +276,12 @@ def decoder_layer(
 # ---- gated attention ----------------------------------------------------------------------------
 
 
-def attention_qkv(w: AttentionLayerView, x: Tensor) -> Tensor:
+def attention_qkv(w: AttentionLayerView, x: Tensor, kernels: Kernels = REFERENCE) -> Tensor:
     """x [N, H] -> qkv [N, nH*2D + 2*nKV*D]: the q projection (per-head [query | gate]), then k, then v."""
+    linear = kernels.linear
     if w.qkv_proj is not None:  # one GEMM for the three projections
-        return F.linear(x, w.qkv_proj)
-    return torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+        return linear(x, w.qkv_proj)
+    return torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
 
 
 def attention_mixer(
@@ -300,7 +300,7 @@ def attention_mixer(
     The prologue normalises and ropes q and k and writes k and v into their slots; the output gate
     reads its columns of qkv in place.
     """
-    qkv = attention_qkv(w, x)
+    qkv = attention_qkv(w, x, kernels)
     q = kernels.attention_prologue(
         qkv, w.q_norm, w.k_norm, cos, sin, k_pages, v_pages, batch.slot_mapping, variant
     )
@@ -311,24 +311,22 @@ def attention_mixer(
         o = kernels.prefill_attention(
             q, k_pages, v_pages, batch.block_table, batch.query_start, batch.context_lens, scale
         )
-    return F.linear(kernels.attention_output_gate(o, qkv, variant), w.o_proj)
+    return kernels.linear(kernels.attention_output_gate(o, qkv, variant), w.o_proj)
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------
 
 
-def gdn_projection(w: GdnLayerView, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gdn_projection(
+    w: GdnLayerView, x: Tensor, kernels: Kernels = REFERENCE
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [N, H] -> mixed_qkv [N, conv_dim] (to be convolved), z [N, value_dim], a [N, nv], b [N, nv]."""
+    linear = kernels.linear
     if w.in_proj is not None:  # one GEMM for the four projections (stacked [qkv; z; b; a])
         sizes = [w.in_proj_qkv.shape[0], w.in_proj_z.shape[0], w.in_proj_b.shape[0], w.in_proj_a.shape[0]]
-        mixed_qkv, z, b, a = F.linear(x, w.in_proj).split(sizes, dim=-1)
+        mixed_qkv, z, b, a = linear(x, w.in_proj).split(sizes, dim=-1)
         return mixed_qkv, z, a, b
-    return (
-        F.linear(x, w.in_proj_qkv),
-        F.linear(x, w.in_proj_z),
-        F.linear(x, w.in_proj_a),
-        F.linear(x, w.in_proj_b),
-    )
+    return linear(x, w.in_proj_qkv), linear(x, w.in_proj_z), linear(x, w.in_proj_a), linear(x, w.in_proj_b)
 
 
 def gdn_output(
@@ -338,7 +336,7 @@ def gdn_output(
     n, nv, dv = o.shape
     # the norm casts o to the model dtype first, as HF does (the fast kernel folds that cast in)
     normed = kernels.gated_rms_norm(o, w.norm, z.reshape(n, nv, dv), variant.rms_norm_eps)
-    return F.linear(normed.reshape(n, nv * dv), w.out_proj)
+    return kernels.linear(normed.reshape(n, nv * dv), w.out_proj)
 
 
 def gdn_mixer(
@@ -354,7 +352,7 @@ def gdn_mixer(
 
     conv_slots [S, conv_dim, K-1] and rec_slots [S, nv, dk, dv] are this layer's slices of the store.
     """
-    mixed_qkv, z, a, b = gdn_projection(w, x)
+    mixed_qkv, z, a, b = gdn_projection(w, x, kernels)
     step = kernels.gdn_decode if batch.is_decode else kernels.gdn_prefill
     o = step(w, variant, mixed_qkv, a, b, conv_slots, rec_slots, batch)
     return gdn_output(w, variant, o, z, kernels)
@@ -376,24 +374,10 @@ def mlp(
     ``decode`` (a few tokens, one per row) asks the MoE experts for their static-shape, no-sync form.
     """
     if isinstance(w, MoeMlpView):
-        return _moe_mlp(w, variant, x, decode, kernels)
+        return kernels.moe_block(w, variant, x, decode)
+    linear = kernels.linear
     if w.gate_up_proj is not None:
-        gate, up = F.linear(x, w.gate_up_proj).chunk(2, dim=-1)
+        gate, up = linear(x, w.gate_up_proj).chunk(2, dim=-1)
     else:
-        gate, up = F.linear(x, w.gate_proj), F.linear(x, w.up_proj)
-    return F.linear(kernels.swiglu(gate, up), w.down_proj)
-
-
-def _moe_mlp(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool, kernels: Kernels) -> Tensor:
-    """HF `Qwen3_5MoeSparseMoeBlock`: routed top-k experts + sigmoid(gate) * shared SwiGLU expert."""
-    num_experts, shared = w.router.shape[0], w.shared_gate_proj.shape[0]
-    if w.input_proj is not None:  # one GEMM: router and shared-expert gate/up projections
-        router_logits, gate, up = F.linear(x, w.input_proj).split([num_experts, shared, shared], dim=-1)
-    else:
-        router_logits = F.linear(x, w.router.to(x.dtype))
-        gate, up = F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj)
-    gate_logit = F.linear(x, w.shared_expert_gate.to(x.dtype))
-    weights, expert_ids = moe_route_logits(router_logits, variant.num_experts_per_tok)
-    routed = kernels.moe_experts(x, weights, expert_ids, w.gate_up, w.down, decode)
-    shared_out = F.linear(kernels.swiglu(gate, up), w.shared_down_proj)
-    return (routed.float() + torch.sigmoid(gate_logit.float()) * shared_out.float()).to(x.dtype)
+        gate, up = linear(x, w.gate_proj), linear(x, w.up_proj)
+    return linear(kernels.swiglu(gate, up), w.down_proj)
