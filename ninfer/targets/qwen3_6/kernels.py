@@ -43,6 +43,7 @@ __all__ = [
     "fast_kernels",
     "gdn_split_heads",
     "kernels_name",
+    "qkv_heads",
     "select_kernels",
     "split_conv_output",
 ]
@@ -88,6 +89,19 @@ def _reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: fl
     return rms_norm(summed, weight, eps), summed
 
 
+def qkv_heads(
+    qkv: Tensor, q_norm: Tensor, k_norm: Tensor, cos: Tensor, sin: Tensor, variant: Variant
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """qkv [N, nH*2D + 2*nKV*D] -> q [N, nH, D] (normed, roped), gate [N, nH*D], k [N, nKV, D] (normed,
+    roped), v [N, nKV, D]: the reference composition (differentiable)."""
+    n, heads, d, eps = qkv.shape[0], variant.num_attention_heads, variant.head_dim, variant.rms_norm_eps
+    q_out, k, v = qkv.split([variant.q_proj_dim, variant.kv_dim, variant.kv_dim], -1)
+    q, gate = split_q_gate(q_out, heads, d)
+    q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin)
+    k = apply_partial_rope(rms_norm(k.reshape(n, variant.num_kv_heads, d), k_norm, eps), cos, sin)
+    return q, gate, k, v.reshape(n, variant.num_kv_heads, d)
+
+
 def _reference_attention_prologue(
     qkv: Tensor,
     q_norm: Tensor,
@@ -99,13 +113,8 @@ def _reference_attention_prologue(
     slot_mapping: Tensor,
     variant: Variant,
 ) -> Tensor:
-    n, heads, d, eps = qkv.shape[0], variant.num_attention_heads, variant.head_dim, variant.rms_norm_eps
-    q_out, k, v = qkv.split([variant.q_proj_dim, variant.kv_dim, variant.kv_dim], -1)
-    q = split_q_gate(q_out, heads, d)[0]
-    k = k.reshape(n, variant.num_kv_heads, d)
-    q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin)
-    k = apply_partial_rope(rms_norm(k, k_norm, eps), cos, sin)
-    kv_write(k_pages, v_pages, k, v.reshape(n, variant.num_kv_heads, d), slot_mapping)
+    q, _, k, v = qkv_heads(qkv, q_norm, k_norm, cos, sin, variant)
+    kv_write(k_pages, v_pages, k, v, slot_mapping)
     return q
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.ops.rope import mrope_cos_sin
-from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads
+from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads, qkv_heads
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
     AttentionLayerView,
@@ -49,6 +49,7 @@ __all__ = [
     "decoder_layer",
     "attention_mixer",
     "attention_qkv",
+    "attention_projection",
     "gdn_mixer",
     "gdn_projection",
     "gdn_split_heads",
@@ -282,6 +283,14 @@ def attention_qkv(w: AttentionLayerView, x: Tensor, kernels: Kernels = REFERENCE
     if w.qkv_proj is not None:  # one GEMM for the three projections
         return linear(x, w.qkv_proj)
     return torch.cat([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], dim=-1)
+
+
+def attention_projection(
+    w: AttentionLayerView, variant: Variant, x: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [N, H] -> q [N, nH, D] (normed, roped), gate [N, nH*D], k [N, nKV, D] (normed, roped), v: the
+    reference ops, differentiable (the demo-model trainer uses it)."""
+    return qkv_heads(attention_qkv(w, x), w.q_norm, w.k_norm, cos, sin, variant)
 
 
 def attention_mixer(

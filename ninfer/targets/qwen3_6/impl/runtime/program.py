@@ -139,7 +139,11 @@ class Qwen36Program:
         self._sampling_rows: tuple[SequenceHandle, ...] = ()
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(
-                self._decode_logits, n, self._max_pages_per_seq, config.device, scratch_slot=0
+                self._decode_logits,
+                lambda packed, n, b: self._steps.unpack(packed, n, b, None),
+                n,
+                config.device,
+                scratch_slot=0,
             )
 
     # ---- static facts ---------------------------------------------------------------------------
@@ -392,9 +396,10 @@ class Qwen36Program:
         write_spare: bool,
         logits: str,
     ) -> torch.Tensor | None:
-        batch = self._steps.build(seqs, inputs, write_spare=write_spare)
-        if self._graphs is not None and logits == "last" and batch.is_decode:
-            return self._graphs.run(batch)
+        packed = self._steps.pack(seqs, inputs, write_spare=write_spare)
+        if self._graphs is not None and logits == "last" and packed.is_decode:
+            return self._graphs.run(packed)
+        batch = self._steps.to_device(packed)
         return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels).logits
 
     def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
@@ -409,20 +414,22 @@ class Qwen36Program:
         self, kind: str, seqs: Sequence[SequenceState], logits: torch.Tensor, consumed: tuple[int, ...]
     ) -> PendingBatch:
         batch = self._sampling_batch(seqs)
-        # the counter of a draw is the absolute position of the sampled token
-        positions = torch.tensor(
-            [s.frontier + c for s, c in zip(seqs, consumed)], dtype=torch.int64, device=self.config.device
-        )
+        # the counter of a draw is the absolute position of the sampled token; greedy rows draw nothing,
+        # and an all-greedy unit skips the copy (it would wait for the step before the sampler launches)
+        positions = None
+        if not batch.all_greedy:
+            frontiers = [s.frontier + c for s, c in zip(seqs, consumed)]
+            positions = torch.tensor(frontiers, dtype=torch.int64, device=self.config.device)
         penalised = any(s.penalised for s in seqs)
-        index = torch.tensor([s.handle.index for s in seqs], device=self.config.device)
+        index = torch.tensor([s.handle.index for s in seqs], device=self.config.device) if penalised else None
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
         result = sample(
             logits,
             batch,
             positions,
-            prompt_mask=self._prompt_mask[index] if penalised else None,
-            output_counts=self._output_counts[index] if penalised else None,
+            prompt_mask=self._prompt_mask[index] if index is not None else None,
+            output_counts=self._output_counts[index] if index is not None else None,
             num_logprobs=top_n,
             with_logprob=want_logprobs,
         )

@@ -1,19 +1,42 @@
 """Turn a unit's rows (sequence + input tokens) into the model's `StepBatch` tensors.
 
 Rows, slots and pages are plain data here: the same builder serves prefill chunks, decode rounds and
-forced control, and a captured decode graph reads these tensors from static buffers. The block tables
-live on the device for the Program's life (one row per sequence index, written at materialization);
-a step only gathers its rows. Everything else a step needs goes to the device in one packed copy.
+forced control. A step's host facts travel as one packed int64 vector (`pack`: token ids, positions, KV
+slots, row bounds, context lengths, state slots, fresh flags, sequence indices) in one host-to-device
+copy; `unpack` turns the device copy into the `StepBatch` views, gathering the rows' block tables from
+the device-resident table (one row per sequence index, written at materialization). A captured decode
+graph runs `unpack` inside the graph over its static packed buffer, so a decode step costs the host
+one copy and one replay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.model import StepBatch
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """A step's host facts: ``values`` (int64, host) laid out as `packed_length(num_tokens, num_rows)`."""
+
+    values: torch.Tensor
+    num_tokens: int
+    num_rows: int
+    query_start: tuple[int, ...]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == self.num_rows
+
+
+def packed_length(num_tokens: int, num_rows: int) -> int:
+    """tokens, positions, slots (N each), query_start (B + 1), then five per-row fields (B each)."""
+    return 3 * num_tokens + 6 * num_rows + 1
 
 
 class StepBuilder:
@@ -22,9 +45,9 @@ class StepBuilder:
         self.block_tables = block_tables  # [max_sequences, max_pages] int32, on the device
         self.device = block_tables.device
 
-    def build(
+    def pack(
         self, seqs: Sequence[SequenceState], inputs: Sequence[Sequence[int]], *, write_spare: bool
-    ) -> StepBatch:
+    ) -> PackedStep:
         """Row r feeds ``inputs[r]`` at positions ``frontier..frontier+len-1`` of ``seqs[r]``.
 
         ``write_spare``: the final GDN state goes to the sequence's spare slot (provisional, flipped on
@@ -42,8 +65,7 @@ class StepBuilder:
                 positions.append(pos)
                 slot_mapping.append(seq.pages[pos // ps] * ps + pos % ps)
             query_start.append(len(tokens))
-        n, b = len(tokens), len(seqs)
-        packed = torch.tensor(
+        values = torch.tensor(
             tokens
             + positions
             + slot_mapping
@@ -54,7 +76,14 @@ class StepBuilder:
             + [int(s.frontier == 0) for s in seqs]  # fresh: start from zero GDN state
             + [s.handle.index for s in seqs],
             dtype=torch.long,
-        ).to(self.device, non_blocking=True)
+        )
+        return PackedStep(values, len(tokens), len(seqs), tuple(query_start))
+
+    def unpack(
+        self, packed: torch.Tensor, num_tokens: int, num_rows: int, query_start: tuple[int, ...] | None
+    ) -> StepBatch:
+        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync."""
+        n, b = num_tokens, num_rows
         token_ids, pos, slots, qs, ctx, state_in, state_out, fresh, index = packed.split(
             [n, n, n, b + 1, b, b, b, b, b]
         )
@@ -68,5 +97,16 @@ class StepBuilder:
             state_in=state_in,
             state_out=state_out,
             fresh=fresh.bool(),
-            query_start_host=tuple(query_start),
+            query_start_host=query_start,
         )
+
+    def build(
+        self, seqs: Sequence[SequenceState], inputs: Sequence[Sequence[int]], *, write_spare: bool
+    ) -> StepBatch:
+        """`pack`, one copy to the device, `unpack`: the eager path's batch."""
+        packed = self.pack(seqs, inputs, write_spare=write_spare)
+        return self.to_device(packed)
+
+    def to_device(self, packed: PackedStep) -> StepBatch:
+        values = packed.values.to(self.device, non_blocking=True)
+        return self.unpack(values, packed.num_tokens, packed.num_rows, packed.query_start)
