@@ -398,10 +398,10 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
 
     num_experts = w.router.shape[0]
     if w.input_proj is not None:  # rows [router; shared gate; shared up]: the shared gate_up is a slice
-        router_logits = F.linear(x, w.input_proj[:num_experts])
+        router_logits = _fast_linear(x, w.input_proj[:num_experts])
         shared_gate_up = w.input_proj[num_experts:]
     else:
-        router_logits = F.linear(x, w.router.to(x.dtype))
+        router_logits = _fast_linear(x, w.router.to(x.dtype))
         shared_gate_up = torch.cat([w.shared_gate_proj, w.shared_up_proj])
     weights, expert_ids, shared_weight = moe_route_topk(
         router_logits, variant.num_experts_per_tok, x=x, shared_expert_gate=w.shared_expert_gate
