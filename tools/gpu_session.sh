@@ -35,6 +35,7 @@ for step in "$@"; do
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
+    gputests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu ;;
     fasttests) timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rs -s tests/ops/test_triton_fused_moe.py tests/ops/test_triton_activation.py tests/ops/test_triton_gdn_decode.py tests/gpu/test_fast_path.py tests/artifact/test_loader.py tests/targets/test_binder_layout.py ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
