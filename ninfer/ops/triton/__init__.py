@@ -7,11 +7,12 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - paged_decode_attention: `paged_decode_attention`, one query per row over paged K/V, GQA packed,
   optional split-KV.
 - norm: `rms_norm`, `add_rms_norm`, `gated_rms_norm`; activation: `swiglu`.
-- fused_moe: `fused_moe`, routed experts (sorted grouped GEMMs; a two-launch decode path).
-
-Candidates, not yet selected (written and interpreter-tested; their `gpu` tests have not run yet):
+- fused_moe: `fused_moe`, routed experts (sorted grouped GEMMs; a two-launch decode path), with the
+  shared expert as one more weighted slot (`SharedExpert`).
+- moe_routing: `moe_route_topk`, softmax + top-k + renormalise + the shared expert's sigmoid gate.
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
   and `sigmoid_gate` (the attention output gate read in place from the projection output).
+- skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).
 
 Import the submodule you need; importing this package does not import triton.
 """

@@ -1,4 +1,4 @@
-"""Triton GDN short-conv decode step over the conv state pool (candidate fast path of the decode conv).
+"""Triton GDN short-conv decode step over the conv state pool (fast path of the decode conv).
 
 Same maths as the reference decode path of `ninfer.targets.qwen3_6.model.gdn_mixer`, in one launch:
 

@@ -1,4 +1,4 @@
-"""Triton fused MoE: the routed experts of Qwen3.6-35B-A3B as two grouped GEMMs (candidate fast path of
+"""Triton fused MoE: the routed experts of Qwen3.6-35B-A3B as two grouped GEMMs (fast path of
 `ninfer.ops.moe.moe_experts`, same maths).
 
     out[t] = sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = expert_ids[t, k]

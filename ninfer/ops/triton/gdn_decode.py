@@ -1,4 +1,4 @@
-"""Triton Gated DeltaNet decode/verify step over a state pool (candidate fast path of the GDN recurrence).
+"""Triton Gated DeltaNet decode/verify step over a state pool (fast path of the GDN recurrence).
 
 Same maths as `ninfer.ops.gated_delta.gdn_gating` followed by `recurrent_gated_delta_rule` with
 `use_qk_l2norm=True`, for B rows of T tokens each (T = 1 for decode, T > 1 for speculative verify):

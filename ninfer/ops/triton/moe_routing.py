@@ -1,5 +1,5 @@
 """Triton MoE routing: top-k softmax routing of Qwen3.6-35B-A3B and the shared expert's sigmoid gate in one
-launch (candidate fast path of `ninfer.ops.moe.moe_route_logits` plus the shared-expert gate).
+launch (fast path of `ninfer.ops.moe.moe_route_logits` plus the shared-expert gate).
 
 For every token t, from the router logits [T, E] in the model dtype:
 

@@ -1,4 +1,4 @@
-"""Triton RMS norms of Qwen3.6 (candidate fast paths of `ninfer.ops.norm`), bit-for-bit rounding order.
+"""Triton RMS norms of Qwen3.6 (fast paths of `ninfer.ops.norm`), bit-for-bit rounding order.
 
 - `rms_norm(x, w)`: the zero-centred norm, y = (x / rms(x)) * (1 + w) in fp32, cast to x's dtype.
 - `add_rms_norm(x, residual, w)`: summed = x + residual rounded to x's dtype (as the torch add), and

@@ -1,4 +1,4 @@
-"""Triton paged decode attention, GQA packed, optional split-KV (candidate fast path of the reference
+"""Triton paged decode attention, GQA packed, optional split-KV (fast path of the reference
 `ninfer.ops.attention.paged_decode_attention`, same signature and semantics).
 
 One query per row: q [B, nH, D]; K/V pages [P, page_size, nKV, D]; row r's context is the first
