@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
 # and a one-line status to stdout. Steps: see the case below (tests, fasttests, attn, fla, moe, moesweep,
-# small, bench35/27[full], profile35/27).
+# small, bench35/27[full], profile35/27, start27: a synthetic full-size 27B artifact loaded by bench).
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
@@ -36,6 +36,9 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gputests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu ;;
+    start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
+        && cat /tmp/q27.ninfer > /dev/null \
+        && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
     fasttests) timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rs -s tests/ops/test_triton_fused_moe.py tests/ops/test_triton_activation.py tests/ops/test_triton_gdn_decode.py tests/gpu/test_fast_path.py tests/artifact/test_loader.py tests/targets/test_binder_layout.py ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1

@@ -417,7 +417,7 @@ class SampleResult(NamedTuple):
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
-    positions: torch.Tensor | None,
+    positions: torch.Tensor,
     prompt_mask: torch.Tensor | None = None,
     output_counts: torch.Tensor | None = None,
     num_logprobs: int = 0,
@@ -426,8 +426,7 @@ def sample(
     """Draw one token per row.
 
     logits: [B, V] any float dtype (computed in float32). positions: int64 [B], the absolute position
-    of the token being sampled; with the row's seed it is the whole random state (None is allowed only
-    when every row is greedy: nothing is drawn). num_logprobs: how
+    of the token being sampled; with the row's seed it is the whole random state. num_logprobs: how
     many top raw log-probs to return per row (static; rows wanting fewer slice).
     Log-probs are those of the raw logits (before penalties, temperature and truncation).
     ``with_logprob=False`` (no row asked for log-probs) skips the full-vocabulary normaliser; the
@@ -441,8 +440,6 @@ def sample(
         penalised = apply_penalties(raw, prompt_mask, output_counts, batch)
     tokens = penalised.argmax(dim=-1)
     if not batch.all_greedy:
-        if positions is None:
-            raise ValueError("sampling a non-greedy row needs the positions of the tokens drawn")
         temperature = torch.where(batch.greedy, 1.0, batch.temperature.clamp(min=MIN_TEMPERATURE))
         scaled = penalised / temperature.unsqueeze(1)
         filtered = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p, batch.candidates)

@@ -163,6 +163,9 @@ def test_qk_norm_rope_kv_write_matches_the_reference_table(kernels: ModuleType) 
     torch.testing.assert_close(_flat(k_pages)[slots], _flat(k_ref)[slots], **CLOSE)
     torch.testing.assert_close(_flat(v_pages)[slots], _flat(v_ref)[slots], **CLOSE)
     assert not _flat(k_ref)[slots].isnan().any() and not _flat(v_ref)[slots].isnan().any()
+    untouched = torch.ones(_flat(k_pages).shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert _flat(k_pages)[untouched].isnan().all() and _flat(v_pages)[untouched].isnan().all()
 
 
 def _ulp_mismatch(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

@@ -5,8 +5,9 @@ the compiled kernels at the Qwen3.6-35B-A3B shapes (E=256, K=8, H=2048, I=512) i
 every tier of the sorted path's config table and several decode-path tile choices, and inside CUDA graphs
 whose routing changes between replays (decode path at T=3, sorted path at T=4).
 
-With a shared expert (`shared=SharedExpert(...)`) the oracle is the plain-PyTorch composition of `_moe_mlp`:
-moe_experts_fp32 + weight[:, None] * swiglu_mlp(x, ...).float(), cast to x's dtype once.
+With a shared expert (`shared=SharedExpert(...)`) the oracle is the plain-PyTorch composition of
+`REFERENCE.moe_block`: moe_experts_fp32 + weight[:, None] * swiglu_mlp(x, ...).float(), cast to x's dtype
+once.
 """
 
 from __future__ import annotations

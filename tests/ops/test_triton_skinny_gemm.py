@@ -128,9 +128,7 @@ def test_default_config_shapes(kernels: ModuleType) -> None:
     assert narrow.split_k > 1, "20 column blocks on 132 SMs must split K"
     for m in (1, 3, 8, 16):
         for n, k in ((5120, 17408), (256, 2048), (248320, 5120), (5, 7)):
-            config = kernels.default_config(m, n, k)
-            config.check()
-            assert config.block_k <= max(16, 2 * k), "a step far wider than K wastes the tile"
+            kernels.default_config(m, n, k).check()
 
 
 # ---- GPU, real shapes ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ replace them:
 
 - `qk_norm_rope_kv_write`: from the qkv projection output, q = rope(rms_norm(q, q_norm)) into a
   contiguous [N, nH, D] buffer, and k = rope(rms_norm(k, k_norm)) and v written straight into their paged
-  KV slots. This is `attention_projection` (after its GEMM) followed by `kv_write`, in one launch.
+  KV slots. The reference table's `attention_prologue` in one launch.
 - `sigmoid_gate`: o * sigmoid(gate) with the gate read in place from qkv's interleaved per-head
   [query | gate] columns: `gated_attention_output(o, split_q_gate(...)[1])` without the gate copy.
 
@@ -190,7 +190,7 @@ def qk_norm_rope_kv_write(
     contiguous); slot_mapping [N] integer flat slots (slot s -> page s // page_size, offset s % page_size;
     distinct; a negative slot writes nothing).
 
-    Equals `attention_projection`'s q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and the
+    Equals `kernels.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and the
     same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
     dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv).
     """

@@ -6,10 +6,10 @@
 with gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I]. The router stays outside
 (`ninfer.ops.triton.moe_routing` gives the fp32 weights, int32 ids and the shared-expert weight in one
 launch). With `shared=SharedExpert(gate_up [2I_s, H], down [H, I_s], weight [T])` the always-on shared expert
-joins the same fp32 sum, out[t] += weight[t] * shared(x[t]), rounded once at the end as `_moe_mlp` does, so
-the MoE block of a decode step is three launches after the router GEMM. Two paths, both fully on the
-device (no host sync, every shape and grid from the static T and K, so either can be captured in the decode
-CUDA graph):
+joins the same fp32 sum, out[t] += weight[t] * shared(x[t]), rounded once at the end as
+`REFERENCE.moe_block` does, so the MoE block of a decode step is three launches after the router GEMM.
+Two paths, both fully on the device (no host sync, every shape and grid from the static T and K, so either
+can be captured in the decode CUDA graph):
 
 Decode path (T*K <= DECODE_MAX_PAIRS, two launches, no sort). With a few (token, expert) pairs the call is
 bound by reading the selected experts' weights (3*H*I*2 bytes each, ~50 MB at T=1) and by launch count, so
@@ -751,12 +751,12 @@ def fused_moe(
     cast to x's dtype as they are read); weights [T, K] any float dtype (fp32 from `moe_route_topk`, or the
     model dtype); expert_ids [T, K] int32/int64 with values in [0, E) (not checked: that would need a host
     sync). `shared` adds shared.weight[t] * shared_expert(x[t]) inside the same fp32 sum (see
-    `SharedExpert`), rounded to x's dtype once at the end, as `_moe_mlp` combines them. `out` may supply
-    the [T, H] buffer (x's dtype, contiguous last dim, not aliasing x). Path: `config=None` takes the decode
-    path with `default_decode_config(T*K)` when T*K <= DECODE_MAX_PAIRS, else the sorted path with
-    `default_config(T*K)`; a `FusedMoeDecodeConfig` forces the decode path and a `FusedMoeConfig` the
-    sorted path. Same result as `ninfer.ops.moe.moe_experts` (+ the shared term) up to fp32 summation
-    order; deterministic; no host sync.
+    `SharedExpert`), rounded to x's dtype once at the end, as `REFERENCE.moe_block` combines them.
+    `out` may supply the [T, H] buffer (x's dtype, contiguous last dim, not aliasing x). Path:
+    `config=None` takes the decode path with `default_decode_config(T*K)` when T*K <= DECODE_MAX_PAIRS,
+    else the sorted path with `default_config(T*K)`; a `FusedMoeDecodeConfig` forces the decode path and
+    a `FusedMoeConfig` the sorted path. Same result as `ninfer.ops.moe.moe_experts` (+ the shared term) up
+    to fp32 summation order; deterministic; no host sync.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")

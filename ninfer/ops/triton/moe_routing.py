@@ -10,7 +10,7 @@ For every token t, from the router logits [T, E] in the model dtype:
 
 which is `moe_route_logits` (weights rounded to the model dtype as its `.to(logits.dtype)` does, handed
 over in fp32 because `fused_moe` reads them in fp32 anyway) and `sigmoid(F.linear(x, w_sg).float())` of
-`_moe_mlp` up to the GEMM's fp32 summation order.
+`REFERENCE.moe_block` up to the GEMM's fp32 summation order.
 
 Shape: one program per token. A decode row is E = 256 logits (one register tile) and, with the shared gate,
 one H = 2048 dot; the work is tiny, so the point of the kernel is replacing ~8 launches (softmax, top-k,

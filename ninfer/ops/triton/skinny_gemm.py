@@ -37,7 +37,7 @@ __all__ = ["MAX_ROWS", "SkinnyConfig", "default_config", "skinny_linear"]
 
 MAX_ROWS = 16  # rows the dot kernel's single padded MMA tile covers
 _DOT_ROWS = 16
-_H200_SMS = 132
+_H200_SMS = 132  # the default of `default_config` (CPU tests); launches pass the device's own count
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -77,6 +77,13 @@ class SkinnyConfig:
 # by `python3 -m tools.kernel_bench.skinny_gemm --sweep` on the H200 here. Shapes not listed use the
 # heuristic in `default_config`.
 _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _H200_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
@@ -236,7 +243,7 @@ def skinny_linear(
         return out
     if k == 0:
         return out.zero_()
-    config = config or default_config(m, n, k)
+    config = config or default_config(m, n, k, _sm_count(x.device))
     config.check()
 
     # K ranges are whole steps; splits that would start past K are dropped (the count stays static)

@@ -71,7 +71,9 @@ class Kernels:
     prefill_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
     # -> q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots
-    attention_prologue: Callable[..., Tensor]
+    attention_prologue: Callable[
+        [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Variant], Tensor
+    ]
     # (o [N, nH, D], qkv, variant) -> o * sigmoid(gate) [N, nH*D], the gate read from qkv's q columns
     attention_output_gate: Callable[[Tensor, Tensor, Variant], Tensor]
     # (w, variant, x [N, H], decode) -> [N, H] in x's dtype: the whole sparse MoE block (routing, routed
@@ -393,7 +395,7 @@ def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Ten
 def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
     """Router GEMM, then one routing launch (top-k + the shared expert's sigmoid gate) and the fused
     experts with the shared expert as one more weighted slot: 4 launches in a decode step."""
-    from ninfer.ops.triton.fused_moe import SharedExpert, fused_moe
+    from ninfer.ops.triton.fused_moe import SharedExpert, default_config, fused_moe
     from ninfer.ops.triton.moe_routing import moe_route_topk
 
     num_experts = w.router.shape[0]
@@ -408,13 +410,18 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
     )
     assert shared_weight is not None
     shared = SharedExpert(gate_up=shared_gate_up, down=w.shared_down_proj, weight=shared_weight)
-    return fused_moe(x, w.gate_up, w.down, weights, expert_ids, shared=shared)
+    # the decode path runs the shared expert as one more slot of equal width; a wider one takes the
+    # sorted path, which computes it apart
+    config = None
+    if shared_gate_up.shape[0] != w.gate_up.shape[1]:
+        config = default_config(weights.numel())
+    return fused_moe(x, w.gate_up, w.down, weights, expert_ids, shared=shared, config=config)
 
 
 def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
     """One-row projections (decode at B = 1) stream the weight with our GEMV kernel, which reads it
     5-16 % faster than cuBLAS on the H200 (tools/kernel_bench/skinny_gemm.py); the rest stay cuBLAS."""
-    if x.dim() == 2 and x.shape[0] == 1:
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype and w.stride(-1) == 1:
         from ninfer.ops.triton.skinny_gemm import skinny_linear
 
         return skinny_linear(x, w)

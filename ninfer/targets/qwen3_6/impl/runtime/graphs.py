@@ -14,26 +14,16 @@ from collections.abc import Callable
 
 import torch
 
-from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, packed_length
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 from ninfer.targets.qwen3_6.model import StepBatch
 
 DecodeFn = Callable[[StepBatch], torch.Tensor]
-# (packed device values, num_tokens, num_rows) -> the StepBatch over them
-Unpack = Callable[[torch.Tensor, int, int], StepBatch]
+Unpack = Callable[[PackedStep], StepBatch]  # the packed device vector -> the StepBatch over it
 
 
 class _Graph:
     def __init__(self, b: int, scratch_slot: int, device: torch.device) -> None:
-        # placeholder inputs for capture: every row reads and writes one scratch state slot and KV slot 0
-        # of page 0, which no committed state depends on (the spare slot of lane 0 is overwritten by the
-        # next unit before it is read); sequence index 0's block table row
-        zeros = [0] * b
-        self.packed = torch.tensor(
-            zeros * 3 + list(range(b + 1)) + [1] * b + [scratch_slot] * 2 * b + zeros * 2,
-            dtype=torch.long,
-            device=device,
-        )
-        assert self.packed.numel() == packed_length(b, b)
+        self.inputs = StepBuilder.placeholder(b, scratch_slot, device)  # the static input buffer
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
@@ -52,14 +42,10 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for b in range(max_batch, 0, -1):  # largest first: the pool then fits the smaller ones
                 g = _Graph(b, scratch_slot, device)
-
-                def step(g: _Graph = g, b: int = b) -> torch.Tensor:
-                    return fn(unpack(g.packed, b, b))
-
                 for _ in range(2):  # warm allocator and library handles outside the capture
-                    step()
+                    fn(unpack(g.inputs))
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
-                    g.logits = step()
+                    g.logits = fn(unpack(g.inputs))
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -67,13 +53,14 @@ class DecodeGraphs:
     def sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, step: PackedStep) -> torch.Tensor:
-        if not step.is_decode:
-            rows, tokens = step.num_rows, step.num_tokens
-            raise ValueError(f"a decode graph takes one token per row: {tokens} tokens for {rows} rows")
+    def run(self, step: PackedStep) -> tuple[torch.Tensor, PackedStep]:
+        """Copy the host ``step`` (one token per row) in and replay: (logits, the step on the device).
+
+        The device step is the graph's static buffer: valid until the next `run`.
+        """
         g = self._graphs[step.num_rows]
-        g.packed.copy_(step.values, non_blocking=True)
+        g.inputs.values.copy_(step.values, non_blocking=True)
         g.graph.replay()
         self.replays[step.num_rows] = self.replays.get(step.num_rows, 0) + 1
         assert g.logits is not None
-        return g.logits
+        return g.logits, g.inputs

@@ -49,7 +49,7 @@ from ninfer.runtime.contract.types import (
 )
 from ninfer.targets.qwen3_6.impl.runtime.graphs import DecodeGraphs
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 from ninfer.targets.qwen3_6.kernels import select_kernels
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.variant import Variant
@@ -140,7 +140,7 @@ class Qwen36Program:
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(
                 self._decode_logits,
-                lambda packed, n, b: self._steps.unpack(packed, n, b, None),
+                self._steps.unpack,
                 n,
                 config.device,
                 scratch_slot=0,
@@ -310,8 +310,8 @@ class Qwen36Program:
             seq.frontier += len(chunk)  # prompt chunks commit directly: the prompt is known
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
         chunk = seq.prompt[start:]
-        logits = self._run([seq], [chunk], write_spare=True, logits="last")
-        return self._pending("prefill", [seq], logits, consumed=(len(chunk),))
+        logits, step = self._run([seq], [chunk], write_spare=True, logits="last")
+        return self._pending("prefill", [seq], logits, step, consumed=(len(chunk),))
 
     @torch.inference_mode()
     def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
@@ -326,8 +326,8 @@ class Qwen36Program:
                 raise ProgramInvariantError(f"sequence {s.handle} is not decode-ready")
             if s.frontier + 1 > s.max_total:
                 raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
-        logits = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
-        return self._pending("decode", seqs, logits, consumed=(1,) * len(seqs))
+        logits, step = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
+        return self._pending("decode", seqs, logits, step, consumed=(1,) * len(seqs))
 
     @torch.inference_mode()
     def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
@@ -344,7 +344,7 @@ class Qwen36Program:
         # new pending input: exactly the state after sampling those tokens, with no sampler involved
         inputs = (seq.pending_input, *tokens[:-1])
         want = seq.logprobs.enabled
-        logits = self._run([seq], [inputs], write_spare=True, logits="all" if want else "none")
+        logits, _ = self._run([seq], [inputs], write_spare=True, logits="all" if want else "none")
         # log-probs the model gave the forced tokens (reported like sampled ones; no sampler, no RNG)
         logprobs = _forced_logprobs(logits, tokens, seq.logprobs.top_n) if want else None
         row = PendingRow(handle=handle, tokens=tokens, base_frontier=seq.frontier, logprobs=logprobs)
@@ -395,12 +395,15 @@ class Qwen36Program:
         *,
         write_spare: bool,
         logits: str,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, PackedStep]:
+        """Run one step: (its logits, its packed facts on the device, read by the sampler)."""
         packed = self._steps.pack(seqs, inputs, write_spare=write_spare)
         if self._graphs is not None and logits == "last" and packed.is_decode:
             return self._graphs.run(packed)
-        batch = self._steps.to_device(packed)
-        return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels).logits
+        step = self._steps.to_device(packed)
+        batch = self._steps.unpack(step)
+        out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
+        return out.logits, step
 
     def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
         """The unit a decode graph captures: one token per row in, last-token logits out."""
@@ -411,25 +414,29 @@ class Qwen36Program:
         return logits
 
     def _pending(
-        self, kind: str, seqs: Sequence[SequenceState], logits: torch.Tensor, consumed: tuple[int, ...]
+        self,
+        kind: str,
+        seqs: Sequence[SequenceState],
+        logits: torch.Tensor | None,
+        step: PackedStep,
+        consumed: tuple[int, ...],
     ) -> PendingBatch:
+        assert logits is not None
         batch = self._sampling_batch(seqs)
-        # the counter of a draw is the absolute position of the sampled token; greedy rows draw nothing,
-        # and an all-greedy unit skips the copy (it would wait for the step before the sampler launches)
-        positions = None
-        if not batch.all_greedy:
-            frontiers = [s.frontier + c for s, c in zip(seqs, consumed)]
-            positions = torch.tensor(frontiers, dtype=torch.int64, device=self.config.device)
+        fields = step.fields()
+        # the counter of a draw is the absolute position of the sampled token: the row's context length
+        # after the step (frontier + consumed), already on the device with the step's inputs
+        positions = fields.context_lens
         penalised = any(s.penalised for s in seqs)
-        index = torch.tensor([s.handle.index for s in seqs], device=self.config.device) if penalised else None
+        index = fields.sequence_index
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
         result = sample(
             logits,
             batch,
             positions,
-            prompt_mask=self._prompt_mask[index] if index is not None else None,
-            output_counts=self._output_counts[index] if index is not None else None,
+            prompt_mask=self._prompt_mask[index] if penalised else None,
+            output_counts=self._output_counts[index] if penalised else None,
             num_logprobs=top_n,
             with_logprob=want_logprobs,
         )

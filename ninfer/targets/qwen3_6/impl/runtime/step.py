@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,9 +21,23 @@ from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.model import StepBatch
 
 
+class StepFields(NamedTuple):
+    """The packed vector's fields, in order (views of it)."""
+
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N]
+    query_start: torch.Tensor  # [B + 1]
+    context_lens: torch.Tensor  # [B] after the step: also the position of each row's next sampled token
+    state_in: torch.Tensor  # [B]
+    state_out: torch.Tensor  # [B]
+    fresh: torch.Tensor  # [B] 0/1
+    sequence_index: torch.Tensor  # [B] the row's sequence index (block table and penalty rows)
+
+
 @dataclass(frozen=True)
 class PackedStep:
-    """A step's host facts: ``values`` (int64, host) laid out as `packed_length(num_tokens, num_rows)`."""
+    """A step's facts as one int64 vector, on the host (`pack`) or on the device (`to_device`)."""
 
     values: torch.Tensor
     num_tokens: int
@@ -33,10 +48,9 @@ class PackedStep:
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_rows
 
-
-def packed_length(num_tokens: int, num_rows: int) -> int:
-    """tokens, positions, slots (N each), query_start (B + 1), then five per-row fields (B each)."""
-    return 3 * num_tokens + 6 * num_rows + 1
+    def fields(self) -> StepFields:
+        n, b = self.num_tokens, self.num_rows
+        return StepFields(*self.values.split([n, n, n, b + 1, b, b, b, b, b]))
 
 
 class StepBuilder:
@@ -65,48 +79,73 @@ class StepBuilder:
                 positions.append(pos)
                 slot_mapping.append(seq.pages[pos // ps] * ps + pos % ps)
             query_start.append(len(tokens))
-        values = torch.tensor(
-            tokens
-            + positions
-            + slot_mapping
-            + query_start
-            + [s.frontier + len(row) for s, row in zip(seqs, inputs)]  # context lengths after the step
-            + [s.slot for s in seqs]
-            + [s.spare if write_spare else s.slot for s in seqs]
-            + [int(s.frontier == 0) for s in seqs]  # fresh: start from zero GDN state
-            + [s.handle.index for s in seqs],
-            dtype=torch.long,
-        )
-        return PackedStep(values, len(tokens), len(seqs), tuple(query_start))
-
-    def unpack(
-        self, packed: torch.Tensor, num_tokens: int, num_rows: int, query_start: tuple[int, ...] | None
-    ) -> StepBatch:
-        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync."""
-        n, b = num_tokens, num_rows
-        token_ids, pos, slots, qs, ctx, state_in, state_out, fresh, index = packed.split(
-            [n, n, n, b + 1, b, b, b, b, b]
-        )
-        return StepBatch(
-            token_ids=token_ids,
-            positions=pos.expand(3, -1),  # text: T = H = W
-            query_start=qs.int(),
-            context_lens=ctx.int(),
-            block_table=self.block_tables.index_select(0, index),
-            slot_mapping=slots,
-            state_in=state_in,
-            state_out=state_out,
-            fresh=fresh.bool(),
-            query_start_host=query_start,
+        return _packed(
+            tokens,
+            positions,
+            slot_mapping,
+            query_start,
+            context_lens=[s.frontier + len(row) for s, row in zip(seqs, inputs)],
+            state_in=[s.slot for s in seqs],
+            state_out=[s.spare if write_spare else s.slot for s in seqs],
+            fresh=[int(s.frontier == 0) for s in seqs],  # start from zero GDN state
+            sequence_index=[s.handle.index for s in seqs],
         )
 
-    def build(
-        self, seqs: Sequence[SequenceState], inputs: Sequence[Sequence[int]], *, write_spare: bool
-    ) -> StepBatch:
-        """`pack`, one copy to the device, `unpack`: the eager path's batch."""
-        packed = self.pack(seqs, inputs, write_spare=write_spare)
-        return self.to_device(packed)
+    @staticmethod
+    def placeholder(num_rows: int, scratch_slot: int, device: torch.device) -> PackedStep:
+        """A decode step for graph capture: every row reads and writes ``scratch_slot`` and KV slot 0 of
+        page 0 (which no committed state depends on), context length 1, sequence index 0's table row."""
+        b, zeros = num_rows, [0] * num_rows
+        packed = _packed(
+            zeros,
+            zeros,
+            zeros,
+            list(range(b + 1)),
+            context_lens=[1] * b,
+            state_in=[scratch_slot] * b,
+            state_out=[scratch_slot] * b,
+            fresh=zeros,
+            sequence_index=zeros,
+        )
+        return PackedStep(packed.values.to(device), b, b, packed.query_start)
 
-    def to_device(self, packed: PackedStep) -> StepBatch:
+    def to_device(self, packed: PackedStep) -> PackedStep:
         values = packed.values.to(self.device, non_blocking=True)
-        return self.unpack(values, packed.num_tokens, packed.num_rows, packed.query_start)
+        return PackedStep(values, packed.num_tokens, packed.num_rows, packed.query_start)
+
+    def unpack(self, packed: PackedStep) -> StepBatch:
+        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync."""
+        f = packed.fields()
+        return StepBatch(
+            token_ids=f.token_ids,
+            positions=f.positions.expand(3, -1),  # text: T = H = W
+            query_start=f.query_start.int(),
+            context_lens=f.context_lens.int(),
+            block_table=self.block_tables.index_select(0, f.sequence_index),
+            slot_mapping=f.slot_mapping,
+            state_in=f.state_in,
+            state_out=f.state_out,
+            fresh=f.fresh.bool(),
+            query_start_host=packed.query_start,
+        )
+
+
+def _packed(
+    tokens: list[int],
+    positions: list[int],
+    slot_mapping: list[int],
+    query_start: list[int],
+    *,
+    context_lens: list[int],
+    state_in: list[int],
+    state_out: list[int],
+    fresh: list[int],
+    sequence_index: list[int],
+) -> PackedStep:
+    """The one place the layout of `StepFields` is written."""
+    values = torch.tensor(
+        tokens + positions + slot_mapping + query_start + context_lens + state_in + state_out + fresh
+        + sequence_index,
+        dtype=torch.long,
+    )  # fmt: skip
+    return PackedStep(values, len(tokens), len(state_in), tuple(query_start))

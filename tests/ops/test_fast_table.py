@@ -1,0 +1,102 @@
+"""The fast op table's compositions (`ninfer.targets.qwen3_6.kernels`) against the reference table's.
+
+The kernels themselves are tested one by one (tests/ops/test_triton_*.py); this checks the wiring that
+the model calls: which rows of the stacked MoE input projection are the router and which the shared
+expert, the shared expert's gate, the one-row GEMV dispatch and its fallback, the attention prologue and
+output gate. CPU tests run in the Triton interpreter in a child process (tiny fp32 shapes); end to end on
+a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interpreter import interpreted_kernels, run_interpreter_child
+
+from ninfer.targets.qwen3_6.view import MoeMlpView, stacked_rows
+
+torch.set_num_threads(1)
+
+
+def test_interpreter_suite_in_a_fresh_process() -> None:
+    run_interpreter_child(__file__)
+
+
+@pytest.fixture(scope="module")
+def table() -> ModuleType:
+    return interpreted_kernels("ninfer.targets.qwen3_6.kernels")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _moe_view(gen: torch.Generator, experts: int, inter: int, hidden: int, shared: int) -> MoeMlpView:
+    """A MoE view whose router and shared gate/up rows are consecutive blocks of one buffer (stacked)."""
+    stack = torch.randn(experts + 2 * shared, hidden, generator=gen) * hidden**-0.5
+    router, gate, up = stack[:experts], stack[experts : experts + shared], stack[experts + shared :]
+    view = MoeMlpView(
+        router=router,
+        gate_up=torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5,
+        down=torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5,
+        shared_gate_proj=gate,
+        shared_up_proj=up,
+        shared_down_proj=torch.randn(hidden, shared, generator=gen) * shared**-0.5,
+        shared_expert_gate=torch.randn(1, hidden, generator=gen),
+        input_proj=stacked_rows((router, gate, up)),
+    )
+    assert view.input_proj is not None
+    return view
+
+
+@pytest.mark.parametrize("shared_width", [16, 24])  # equal to the expert width, and wider (sorted path)
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # decode path (T*K <= 64) and sorted path
+def test_moe_block_matches_the_reference_block(table: ModuleType, tokens: int, shared_width: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * 100 + shared_width)
+    view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=shared_width)
+    variant = SimpleNamespace(num_experts_per_tok=2)
+    x = torch.randn(tokens, 24, generator=gen)
+    decode = tokens * 2 <= 64
+    for v in (view, replace(view, input_proj=None)):  # stacked and unstacked projections
+        want = table.REFERENCE.moe_block(v, variant, x, decode)
+        got = table._fast_moe_block(v, variant, x, decode)
+        assert not got.isnan().any()
+        assert _rel(got, want) < 1e-5, (tokens, shared_width, v.input_proj is not None)
+
+
+def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: ModuleType) -> None:
+    """Swapping the shared gate and up blocks of the stack must change the fast block's output."""
+    gen = torch.Generator().manual_seed(7)
+    view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=16)
+    variant = SimpleNamespace(num_experts_per_tok=2)
+    x = torch.randn(3, 24, generator=gen)
+    swapped_stack = torch.cat([view.router, view.shared_up_proj, view.shared_gate_proj])
+    swapped = replace(view, input_proj=swapped_stack)
+    assert (
+        _rel(table._fast_moe_block(swapped, variant, x, True), table._fast_moe_block(view, variant, x, True))
+        > 1e-3
+    )
+
+
+def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for rows, n, k in ((1, 5, 24), (1, 33, 40), (3, 33, 40)):
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        torch.testing.assert_close(table._fast_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # a weight without a unit stride along K (the GEMV cannot read it) goes to F.linear
+    x, w = torch.randn(1, 40, generator=gen), torch.randn(40, 33, generator=gen).t()
+    torch.testing.assert_close(table._fast_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_output_gate_matches_the_reference(table: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, n = 2, 1, 8, 3
+    variant = SimpleNamespace(num_attention_heads=heads, head_dim=d, q_proj_dim=heads * 2 * d)
+    qkv = torch.randn(n, heads * 2 * d + 2 * kv_heads * d, generator=gen)
+    o = torch.randn(n, heads, d, generator=gen)
+    want = table.REFERENCE.attention_output_gate(o, qkv, variant)
+    torch.testing.assert_close(table._fast_attention_output_gate(o, qkv, variant), want, rtol=1e-5, atol=1e-6)
