@@ -6,7 +6,8 @@ Starts the synthetic Engine exactly as `ninfer bench --synthetic PACKAGE` does, 
 from an EngineCore observer (which runs on the worker thread before each unit), turns a cProfile on for
 ``--steps`` decode rounds of all B rows. Prints the unit interval without and with the profiler, then the
 functions by own time and by cumulative time, per decode round. The device time of the step is the
-replay time `tools.profile_step` reports; what this shows is the host work around it.
+replay time `tools.profile_step` reports; what this shows is the host work around it. On Python 3.12
+cProfile records every thread, so the main thread's polling (`time.sleep`) appears in the totals too.
 """
 
 from __future__ import annotations
