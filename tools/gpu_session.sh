@@ -39,6 +39,9 @@ for step in "$@"; do
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
+    pdltests) NINFER_PDL=1 timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu tests/ops/test_triton_norm.py tests/ops/test_triton_skinny_gemm.py ;;
+    pdlprofile) for p in 0 1; do NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 256; NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1 --prefill 256; done ;;
+    chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27.json" ;;
     fasttests) timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rs -s tests/ops/test_triton_fused_moe.py tests/ops/test_triton_activation.py tests/ops/test_triton_gdn_decode.py tests/gpu/test_fast_path.py tests/artifact/test_loader.py tests/targets/test_binder_layout.py ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1

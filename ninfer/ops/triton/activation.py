@@ -12,11 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["swiglu"]
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr):
+def _swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, out_stride,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -43,6 +49,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = N
         return out
     block = min(1024, triton.next_power_of_2(width))
     _swiglu_kernel[(rows, triton.cdiv(width, block))](
-        gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        gate,
+        up,
+        out,
+        width,
+        gate.stride(0),
+        up.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
+        USE_PDL=pdl.ENABLED,
+        **pdl.LAUNCH,
     )
     return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["qk_norm_rope_kv_write", "sigmoid_gate"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -97,7 +99,9 @@ def _qk_norm_rope_kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -143,7 +147,9 @@ def _sigmoid_gate_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     flat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # column of the [N, nH*D] output row
     mask = flat < NUM_HEADS * HEAD_DIM
@@ -235,6 +241,7 @@ def qk_norm_rope_kv_write(
         MODEL_DTYPE=_TL_DTYPES[qkv.dtype],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, ROTARY_DIM=rotary_dim, BLOCK_D=block_d,
         num_warps=max(1, min(4, block_d // 128)),
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return q
 
@@ -274,5 +281,6 @@ def sigmoid_gate(
     _sigmoid_gate_kernel[(n, triton.cdiv(width, block))](
         o, qkv, y, o.stride(0), o.stride(1), qkv.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=block, num_warps=max(1, min(4, block // 256)),
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["causal_conv1d_update_slots"]
 
 
@@ -46,7 +48,9 @@ def _conv_update_kernel(
     KERNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     c_block = tl.program_id(1)
     offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -140,5 +144,6 @@ def causal_conv1d_update_slots(
         channels, x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),
         KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=block_c,
         num_warps=num_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

@@ -74,6 +74,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = [
     "DECODE_MAX_PAIRS",
     "ExpertBlocks",
@@ -279,7 +281,9 @@ def _align_single_kernel(
     ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, num_blocks_ptr,
     num_pairs, ids_stride_t, ids_stride_k,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     counts = _chunk_histogram(ids_ptr, ids_stride_t, ids_stride_k, 0, num_pairs, TOP_K, BLOCK_E, SUB)
     first_row = _write_block_layout(
         counts, block_expert_ptr, block_row_start_ptr, block_row_end_ptr, num_blocks_ptr, BLOCK_E, BLOCK_M
@@ -293,7 +297,9 @@ def _align_single_kernel(
 def _align_count_kernel(
     ids_ptr, chunk_counts_ptr, num_pairs, ids_stride_t, ids_stride_k,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     chunk = tl.program_id(0)
     begin = chunk * CHUNK
     end = tl.minimum(begin + CHUNK, num_pairs)
@@ -306,7 +312,9 @@ def _align_layout_kernel(
     chunk_counts_ptr, chunk_first_row_ptr, block_expert_ptr, block_row_start_ptr, block_row_end_ptr,
     num_blocks_ptr, num_chunks,
     BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     chunks = tl.arange(0, BLOCK_C)
     tile = chunks[:, None] * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
     live = chunks[:, None] < num_chunks
@@ -323,7 +331,9 @@ def _align_layout_kernel(
 def _align_scatter_kernel(
     ids_ptr, chunk_first_row_ptr, sorted_pairs_ptr, num_pairs, ids_stride_t, ids_stride_k,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     chunk = tl.program_id(0)
     begin = chunk * CHUNK
     end = tl.minimum(begin + CHUNK, num_pairs)
@@ -368,6 +378,7 @@ def align_pairs_by_expert(
         _align_single_kernel[(1,)](
             expert_ids, blocks.sorted_pairs, *tables, num_pairs, stride_t, stride_k,
             TOP_K=top_k, BLOCK_E=block_e, BLOCK_M=block_m, SUB=sub, num_warps=4,
+            USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
         return blocks
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
@@ -375,14 +386,17 @@ def align_pairs_by_expert(
     _align_count_kernel[(num_chunks,)](
         expert_ids, chunk_counts, num_pairs, stride_t, stride_k,
         TOP_K=top_k, BLOCK_E=block_e, CHUNK=chunk, SUB=sub, num_warps=4,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     _align_layout_kernel[(1,)](
         chunk_counts, chunk_first_row, *tables, num_chunks,
         BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_E=block_e, BLOCK_M=block_m, num_warps=8,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         expert_ids, chunk_first_row, blocks.sorted_pairs, num_pairs, stride_t, stride_k,
         TOP_K=top_k, BLOCK_E=block_e, CHUNK=chunk, SUB=sub, num_warps=4,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return blocks
 
@@ -410,7 +424,9 @@ def _gate_up_kernel(
     x_stride_t, w_stride_e, w_stride_n,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):  # a block the bound allowed for but this routing did not use
         return
@@ -460,7 +476,9 @@ def _down_kernel(
     w_stride_e, w_stride_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -496,7 +514,9 @@ def _weighted_sum_kernel(
     pair_out_ptr, weights_ptr, out_ptr, shared_out_ptr, shared_weight_ptr,
     hidden_size, w_stride_t, w_stride_k, out_stride_t, shared_out_stride_t, shared_weight_stride_t,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < hidden_size
@@ -521,7 +541,9 @@ def _decode_gate_up_kernel(
     inter_size, x_stride_t, w_stride_e, w_stride_n, ids_stride_t, ids_stride_k, shared_w_stride_n,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_STEPS: tl.constexpr, HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     SLOTS = TOP_K + HAS_SHARED  # a token's routed experts, then its shared expert
     pair = tl.program_id(0)
     token = pair // SLOTS
@@ -580,7 +602,9 @@ def _decode_down_combine_kernel(
     out_stride_t, shared_w_stride_h, shared_weight_stride_t,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
     I_STEPS: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, INTER_SIZE: tl.constexpr, EVEN_I: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     SLOTS = TOP_K + HAS_SHARED  # rows of the intermediate per token (the shared expert's last)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -658,6 +682,7 @@ def _decode_gate_up(
         TOP_K=expert_ids.shape[1], HAS_SHARED=shared is not None, BLOCK_N=config.gate_up_block_n,
         BLOCK_K=block_k, K_STEPS=triton.cdiv(hidden_size, block_k), HIDDEN_SIZE=hidden_size,
         EVEN_K=hidden_size % block_k == 0, num_warps=config.gate_up_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
 
@@ -681,6 +706,7 @@ def _decode_down_combine(
         I_STEPS=triton.cdiv(inter_size, block_i),
         EXPERTS_PER_STEP=min(config.down_experts, triton.next_power_of_2(top_k)), INTER_SIZE=inter_size,
         EVEN_I=inter_size % block_i == 0, num_warps=config.down_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
 
@@ -832,6 +858,7 @@ def _fused_moe_sorted(
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.gate_up_block_k,
         GROUP_M=config.group_m, EVEN_K=hidden_size % config.gate_up_block_k == 0, DOT_PRECISION=dot_precision,
         num_warps=config.gate_up_warps, num_stages=config.gate_up_stages,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     down_grid = (max_blocks * triton.cdiv(hidden_size, config.down_block_n),)
     _down_kernel[down_grid](
@@ -841,6 +868,7 @@ def _fused_moe_sorted(
         BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
         GROUP_M=config.group_m, EVEN_K=inter_size % config.down_block_k == 0, DOT_PRECISION=dot_precision,
         num_warps=config.down_warps, num_stages=config.down_stages,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden_size))
     # the shared expert in torch ops; only its weighted add joins the fp32 sum (no placeholder reads)
@@ -851,4 +879,5 @@ def _fused_moe_sorted(
         hidden_size, weights.stride(0), weights.stride(1), out.stride(0), shared_out.stride(0),
         shared_weight.stride(0),
         TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_H=block_h, num_warps=4,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["gdn_decode_step"]
 
 _L2NORM_EPS = 1e-6
@@ -73,7 +75,9 @@ def _gdn_decode_kernel(
     BLOCK_V: tl.constexpr,
     WRITE_SCRATCH: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     v_block = tl.program_id(2)
@@ -227,5 +231,6 @@ def gdn_decode_step(
         NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
         WRITE_SCRATCH=intermediate_states is not None, HAS_FRESH=fresh is not None,
         num_warps=num_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return o[:, 0] if squeeze_tokens else o

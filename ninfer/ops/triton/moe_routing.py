@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["moe_route_topk"]
 
 _MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
@@ -43,7 +45,9 @@ def _route_topk_kernel(
     x_stride_t, shared_weight_stride_t,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     HIDDEN_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -165,5 +169,6 @@ def moe_route_topk(
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
         HAS_SHARED=has_shared, HIDDEN_SIZE=hidden_size, BLOCK_H=block_h,
         num_warps=4 if has_shared else 2,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return weights, ids, shared_weight

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
 
 _TILE_ELEMENTS = 4096  # elements per program for short rows: enough in flight per SM to stream
@@ -57,7 +59,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask_n = cols < n
@@ -97,7 +101,9 @@ def _gated_rms_norm_kernel(
     WEIGHTED_DTYPE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask_n = cols < n
@@ -185,6 +191,7 @@ def _rms_norm_launch(
         num_rows, n, x_inner, x_stride_outer, x_stride_inner, r_inner, r_stride_outer, r_stride_inner, eps,
         HAS_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK_N=block_n,
         num_warps=num_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
 
@@ -254,5 +261,6 @@ def gated_rms_norm(
         NORMED_DTYPE=_TL_DTYPES[z.dtype],
         WEIGHTED_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, z.dtype)],
         ROWS=rows_per_program, BLOCK_N=block_n, num_warps=num_warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton import pdl
+
 __all__ = ["MAX_ROWS", "SkinnyConfig", "default_config", "skinny_linear"]
 
 MAX_ROWS = 16  # rows the dot kernel's single padded MMA tile covers
@@ -114,7 +116,9 @@ def _skinny_fma_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,7 +172,9 @@ def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,8 +205,16 @@ def _skinny_dot_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    partial_ptr, out_ptr, N, stride_om, stride_os, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+    partial_ptr,
+    out_ptr,
+    N,
+    stride_om,
+    stride_os,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -261,15 +275,26 @@ def skinny_linear(
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
+            USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages,
+            USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            target, out, n, out.stride(0), stride_os, SPLIT_K=split_k, BLOCK=block, num_warps=4
+            target,
+            out,
+            n,
+            out.stride(0),
+            stride_os,
+            SPLIT_K=split_k,
+            BLOCK=block,
+            num_warps=4,
+            USE_PDL=pdl.ENABLED,
+            **pdl.LAUNCH,
         )
     return out

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (Hopper and later), opt-in with ``NINFER_PDL=1``: a candidate, off by
+default until the H200 shows it helps.
+
+A decode step is hundreds of small kernels in a row (27B at B = 1: 688 launches for 13.7 ms), and each one
+pays the launch and block-scheduling latency after the previous kernel has fully drained. With PDL every
+Triton kernel here is launched with the programmatic-serialisation attribute and starts with `enter`:
+it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``: nothing of this
+kernel reads or writes memory before that), then lets the next kernel launch (``griddepcontrol.
+launch_dependents``), whose blocks are then scheduled while this one runs and wait in their own `enter`.
+What overlaps is only launch latency, never memory traffic, so results are unchanged. Kernels of other
+libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the
+programmatic edges (CUDA 12.3+).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = ["ENABLED", "LAUNCH", "enter"]
+
+
+def _enabled() -> bool:
+    if os.environ.get("NINFER_PDL", "0") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:  # Triton builds without grid-dependency control keep the plain launch
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ENABLED: bool = _enabled()
+LAUNCH: dict[str, bool] = {"launch_pdl": True} if ENABLED else {}  # extra launch options of every kernel
+
+
+@triton.jit
+def enter(USE_PDL: tl.constexpr):
+    """A kernel's first statement: wait for the previous kernel, then let the next one launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
