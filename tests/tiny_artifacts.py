@@ -8,27 +8,19 @@ are the real Qwen3.6 tokenizer and chat template from ninfer/targets/qwen3_6/res
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
 from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
-from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
+from tools.synthetic_artifact import frontend_resources
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEED = 20261129
-GENERATION_CONFIG = {
-    "eos_token_id": [248046, 248044],
-    "pad_token_id": 248044,
-    "temperature": 1.0,
-    "top_k": 20,
-    "top_p": 0.95,
-}
 
 
 @functools.cache
@@ -41,11 +33,7 @@ def write_tiny_artifact(package_name: str, path: Path) -> Path:
     package = PACKAGES[package_name]
     tensors = tiny_view(package_name).tensors
     specs = [TensorSpec(s.name, tensors[s.name].dtype, s.shape) for s in weight_schema(package.variant)]
-    frontend = {
-        "tokenizer.json": (RESOURCE_DIR / "tokenizer.json").read_bytes(),
-        "chat_template": (RESOURCE_DIR / "qwen3_6.jinja").read_bytes(),
-        "generation_config.json": json.dumps(GENERATION_CONFIG, sort_keys=True).encode(),
-    }
+    frontend = frontend_resources(package)  # the real tokenizer and template, Qwen3.6's sampling defaults
     with ArtifactWriter(
         path,
         identity=package.identity("fp32"),

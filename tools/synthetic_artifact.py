@@ -38,8 +38,9 @@ import torch
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
 from ninfer.artifact.format import layout
+from ninfer.targets.open import resolve_device
 from ninfer.targets.package import STORAGE_PROFILES, Package
-from ninfer.targets.qwen3_6.binder import _random_tensor, _tensor_seed
+from ninfer.targets.qwen3_6.binder import random_weight
 from ninfer.targets.qwen3_6.resources import chat_template, tokenizer_json
 from ninfer.targets.qwen3_6.variant import SpecialTokens
 from ninfer.targets.qwen3_6.view import target_dtype
@@ -153,13 +154,12 @@ def _check_destination(path: Path, needed: int) -> None:
 
 
 def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
+    if device not in ("auto", "cpu", "cuda"):
         raise SyntheticArtifactError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SyntheticArtifactError("--device cuda: CUDA is not available")
-    return torch.device(device)
+    try:
+        return resolve_device(device)
+    except ValueError as exc:
+        raise SyntheticArtifactError(f"--device cuda: {exc}") from exc
 
 
 class _Progress:
@@ -223,16 +223,10 @@ class _HostStaging:
 
 
 def _draw(
-    spec: WeightSpec,
-    package: Package,
-    dtype: torch.dtype,
-    seed: int,
-    generator: torch.Generator,
-    device: torch.device,
+    spec: WeightSpec, package: Package, dtype: torch.dtype, seed: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """One tensor exactly as `random_model_view` draws it: fp32 from the (seed, name) stream, cast."""
-    generator.manual_seed(_tensor_seed(seed, spec.name))
-    return _random_tensor(spec, package.variant, generator, device).to(dtype)
+    """One tensor exactly as `random_model_view` draws it, cast to the stored dtype."""
+    return random_weight(spec, package.variant, seed, generator).to(dtype)
 
 
 def write_synthetic_artifact(
@@ -316,7 +310,7 @@ def write_synthetic_artifact(
                     break
                 buffer = staging.acquire()  # waiting for the writer is not counted in produce_s
                 t0 = time.perf_counter()
-                tensor = _draw(spec, package, stored.dtype, seed, generator, torch_device)
+                tensor = _draw(spec, package, stored.dtype, seed, generator)
                 item = staging.to_host(buffer, stored, tensor)
                 del tensor  # the device copy is not needed once it is in host memory
                 produce_s += time.perf_counter() - t0

@@ -11,9 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.mlp import swiglu, swiglu_mlp
+from ninfer.ops.mlp import swiglu
 
-__all__ = ["moe_route", "moe_route_logits", "moe_experts", "moe_experts_fp32", "moe_block"]
+__all__ = [
+    "moe_route",
+    "moe_route_logits",
+    "moe_experts",
+    "moe_experts_fp32",
+    "moe_block",
+    "moe_block_from_projections",
+]
 
 
 def moe_route(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +119,37 @@ def moe_block(
 
     ``graph_safe`` uses the gathered expert path (no host sync) for few-token decode units.
     """
-    weights, expert_ids = moe_route(x, router_w, top_k)
+    dtype = x.dtype
+    return moe_block_from_projections(
+        x,
+        F.linear(x, router_w.to(dtype)),
+        F.linear(x, shared_gate_w.to(dtype)),
+        F.linear(x, shared_up_w.to(dtype)),
+        gate_up,
+        down,
+        shared_down_w,
+        shared_expert_gate_w,
+        top_k,
+        graph_safe,
+    )
+
+
+def moe_block_from_projections(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    shared_gate: torch.Tensor,
+    shared_up: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_down_w: torch.Tensor,
+    shared_expert_gate_w: torch.Tensor,
+    top_k: int,
+    graph_safe: bool = False,
+) -> torch.Tensor:
+    """`moe_block` once the input's projections are done (the model may run them as one stacked GEMM):
+    router_logits [N, E], shared_gate / shared_up [N, S] in x's dtype."""
+    weights, expert_ids = moe_route_logits(router_logits, top_k)
     routed = moe_experts_fp32(x, weights, expert_ids, gate_up, down, graph_safe)
-    shared = swiglu_mlp(x, shared_gate_w, shared_up_w, shared_down_w)
-    shared_gate = torch.sigmoid(F.linear(x, shared_expert_gate_w.to(x.dtype)).float())
-    return (routed + shared_gate * shared.float()).to(x.dtype)
+    shared = F.linear(swiglu(shared_gate, shared_up), shared_down_w.to(x.dtype))
+    shared_gate_weight = torch.sigmoid(F.linear(x, shared_expert_gate_w.to(x.dtype)).float())
+    return (routed + shared_gate_weight * shared.float()).to(x.dtype)

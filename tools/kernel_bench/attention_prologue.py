@@ -19,7 +19,7 @@ from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
 from ninfer.ops.norm import rms_norm
 from ninfer.ops.rope import apply_partial_rope, mrope_cos_sin
 from ninfer.ops.triton.attention_prologue import qk_norm_rope_kv_write, sigmoid_gate
-from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us, timing_row
 
 EPS = 1e-6
 BF16 = torch.bfloat16
@@ -27,28 +27,6 @@ VARIANTS = {"27b": (24, 4), "35b-a3b": (16, 2)}  # (attention heads, kv heads)
 HEAD_DIM, ROTARY_DIM, PAGE_SIZE, NUM_PAGES = 256, 64, 16, 64
 DECODE_BATCHES = (1, 8)
 DEVICE = "cuda"
-
-
-def _row(
-    op: str, variant: str, shape: tuple[int, ...], nbytes: int, fast_us: float, ref_us: float, error: float
-) -> dict[str, object]:
-    row = {
-        "op": op,
-        "variant": variant,
-        "shape": list(shape),
-        "triton_us": round(fast_us, 2),
-        "bytes": nbytes,
-        "GB/s": round(nbytes / fast_us / 1e3, 1),
-        "torch_us": round(ref_us, 2),
-        "speedup": round(ref_us / fast_us, 2),
-        "max_rel_err": error,
-    }
-    print(
-        f"{op:>22} {variant:>8} {str(tuple(shape)):>14}  triton {fast_us:7.2f} us  {nbytes / 1e3:8.1f} KB "
-        f"{row['GB/s']:7.1f} GB/s  torch(graph) {ref_us:7.2f} us  x{row['speedup']:<6} err {error:.2e}",
-        flush=True,
-    )
-    return row
 
 
 def bench(variant: str, n: int, nh: int, nkv: int) -> list[dict[str, object]]:
@@ -108,10 +86,10 @@ def bench(variant: str, n: int, nh: int, nkv: int) -> list[dict[str, object]]:
     prologue_bytes = 2 * n * (nh * d + 2 * nkv * d) * 2 + 2 * n * ROTARY_DIM * 4 + 2 * d * 2
     gate_bytes = 3 * n * nh * d * 2  # o and gate read, output written
     return [
-        _row("qk_norm_rope_kv_write", variant, (n, nh, nkv, d), prologue_bytes,
-             time_us(replays["fp"]), time_us(replays["rp"]), prologue_error),
-        _row("sigmoid_gate", variant, (n, nh, d), gate_bytes,
-             time_us(replays["fg"]), time_us(replays["rg"]), gate_error),
+        timing_row("qk_norm_rope_kv_write", variant, (n, nh, nkv, d), prologue_bytes,
+             time_us(replays["fp"]), time_us(replays["rp"]), prologue_error, "torch(graph)"),
+        timing_row("sigmoid_gate", variant, (n, nh, d), gate_bytes,
+             time_us(replays["fg"]), time_us(replays["rg"]), gate_error, "torch(graph)"),
     ]  # fmt: skip
 
 

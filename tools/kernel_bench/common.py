@@ -35,6 +35,36 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
+def timing_row(
+    op: str,
+    variant: str,
+    shape: tuple[int, ...],
+    nbytes: int,
+    fast_us: float,
+    ref_us: float,
+    error: float,
+    ref_label: str = "torch",
+) -> dict[str, object]:
+    """One kernel-vs-reference line (printed) and its JSON row: times, bytes, GB/s, speed-up, error."""
+    row = {
+        "op": op,
+        "variant": variant,
+        "shape": list(shape),
+        "triton_us": round(fast_us, 2),
+        "bytes": nbytes,
+        "GB/s": round(nbytes / fast_us / 1e3, 1),
+        "torch_us": round(ref_us, 2),
+        "speedup": round(ref_us / fast_us, 2),
+        "max_rel_err": error,
+    }
+    print(
+        f"{op:>22} {variant:>8} {str(tuple(shape)):>18}  triton {fast_us:8.2f} us  {nbytes / 1e6:9.3f} MB "
+        f"{row['GB/s']:8.1f} GB/s  {ref_label} {ref_us:8.2f} us  x{row['speedup']:<6} err {error:.2e}",
+        flush=True,
+    )
+    return row
+
+
 def finish(name: str, rows: list[dict[str, object]], bound: float = BF16_BOUND) -> bool:
     """Print the check line (worst error of ``rows`` against ``bound``) and write $OUT/<name>.json."""
     worst = max(rows, key=lambda row: float(row["max_rel_err"]))  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from ninfer.ops.conv import causal_conv1d_update
 from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
 from ninfer.ops.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from ninfer.ops.triton.paged_decode_attention import default_num_splits, paged_decode_attention
-from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us, timing_row
 
 EPS = 1e-6
 BF16 = torch.bfloat16
@@ -44,24 +44,7 @@ def _row(
     ref: Callable[[], object],
     error: float,
 ) -> dict[str, object]:
-    fast_us, ref_us = time_us(fast), time_us(ref)
-    row = {
-        "op": op,
-        "variant": variant,
-        "shape": list(shape),
-        "triton_us": round(fast_us, 2),
-        "bytes": nbytes,
-        "GB/s": round(nbytes / fast_us / 1e3, 1),
-        "torch_us": round(ref_us, 2),
-        "speedup": round(ref_us / fast_us, 2),
-        "max_rel_err": error,
-    }
-    print(
-        f"{op:>15} {variant:>8} {str(tuple(shape)):>18}  triton {fast_us:8.2f} us  {nbytes / 1e6:9.3f} MB "
-        f"{row['GB/s']:8.1f} GB/s  torch {ref_us:8.2f} us  x{row['speedup']:<6} err {error:.2e}",
-        flush=True,
-    )
-    return row
+    return timing_row(op, variant, shape, nbytes, time_us(fast), time_us(ref), error)
 
 
 def _randn(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:

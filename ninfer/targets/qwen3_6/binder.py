@@ -46,6 +46,7 @@ __all__ = [
     "load_model",
     "load_model_view",
     "random_model_view",
+    "random_weight",
 ]
 
 
@@ -171,13 +172,20 @@ def random_model_view(
     )
     tensors = {}
     for spec in schema:
-        generator.manual_seed(_tensor_seed(seed, spec.name))
-        tensor = _random_tensor(spec, variant, generator, device)
+        tensor = random_weight(spec, variant, seed, generator)
         if spec.name in slots:
             tensors[spec.name] = slots[spec.name].copy_(tensor)  # same rounding as place_tensor's .to
         else:
             tensors[spec.name] = place_tensor(tensor, spec, device, dtype)
     return ModelView.from_tensors(variant, tensors)
+
+
+def random_weight(spec: WeightSpec, variant: Variant, seed: int, generator: torch.Generator) -> torch.Tensor:
+    """One tensor of `random_model_view`, in fp32 on the generator's device: drawn from the (seed, name)
+    stream, so it does not depend on which other tensors were drawn before (a file writer draws one at a
+    time)."""
+    generator.manual_seed(_tensor_seed(seed, spec.name))
+    return _random_tensor(spec, variant, generator, generator.device)
 
 
 def hf_state_dict(view: ModelView, *, text_only: bool = False) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from ninfer.ops.attention import paged_decode_attention as reference_decode_atte
 from ninfer.ops.conv import causal_conv1d, causal_conv1d_update
 from ninfer.ops.gated_delta import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
 from ninfer.ops.mlp import swiglu
-from ninfer.ops.moe import moe_experts_fp32, moe_route_logits
+from ninfer.ops.moe import moe_block, moe_block_from_projections
 from ninfer.ops.norm import gated_rms_norm, rms_norm
 from ninfer.ops.rope import apply_partial_rope
 
@@ -126,18 +126,18 @@ def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -
 
 
 def _reference_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
-    """HF `Qwen3_5MoeSparseMoeBlock`: routed top-k experts + sigmoid(gate) * shared SwiGLU expert."""
+    """HF `Qwen3_5MoeSparseMoeBlock` (`ops.moe`), its input projections one GEMM when stacked."""
     num_experts, shared = w.router.shape[0], w.shared_gate_proj.shape[0]
-    if w.input_proj is not None:  # one GEMM: router and shared-expert gate/up projections
-        router_logits, gate, up = F.linear(x, w.input_proj).split([num_experts, shared, shared], dim=-1)
-    else:
-        router_logits = F.linear(x, w.router.to(x.dtype))
-        gate, up = F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj)
-    gate_logit = F.linear(x, w.shared_expert_gate.to(x.dtype))
-    weights, expert_ids = moe_route_logits(router_logits, variant.num_experts_per_tok)
-    routed = moe_experts_fp32(x, weights, expert_ids, w.gate_up, w.down, decode)
-    shared_out = F.linear(swiglu(gate, up), w.shared_down_proj)
-    return (routed + torch.sigmoid(gate_logit.float()) * shared_out.float()).to(x.dtype)
+    if w.input_proj is None:
+        return moe_block(
+            x, w.router, w.gate_up, w.down, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj,
+            w.shared_expert_gate, variant.num_experts_per_tok, decode,
+        )  # fmt: skip
+    router_logits, gate, up = F.linear(x, w.input_proj).split([num_experts, shared, shared], dim=-1)
+    return moe_block_from_projections(
+        x, router_logits, gate, up, w.gate_up, w.down, w.shared_down_proj, w.shared_expert_gate,
+        variant.num_experts_per_tok, decode,
+    )  # fmt: skip
 
 
 def split_conv_output(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:

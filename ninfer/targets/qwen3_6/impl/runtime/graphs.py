@@ -15,10 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
-from ninfer.targets.qwen3_6.model import StepBatch
 
-DecodeFn = Callable[[StepBatch], torch.Tensor]
-Unpack = Callable[[PackedStep], StepBatch]  # the packed device vector -> the StepBatch over it
+DecodeFn = Callable[[PackedStep], torch.Tensor]  # the packed device inputs -> last-token logits
 
 
 class _Graph:
@@ -31,9 +29,7 @@ class _Graph:
 class DecodeGraphs:
     """Captured decode steps keyed by exact ``B``; `run` replays the one for the step's B."""
 
-    def __init__(
-        self, fn: DecodeFn, unpack: Unpack, max_batch: int, device: torch.device, scratch_slot: int
-    ) -> None:
+    def __init__(self, fn: DecodeFn, max_batch: int, device: torch.device, scratch_slot: int) -> None:
         self._graphs: dict[int, _Graph] = {}
         self.replays: dict[int, int] = {}  # B -> replay count (observability; tests read it)
         self._pool = torch.cuda.graph_pool_handle()
@@ -43,9 +39,9 @@ class DecodeGraphs:
             for b in range(max_batch, 0, -1):  # largest first: the pool then fits the smaller ones
                 g = _Graph(b, scratch_slot, device)
                 for _ in range(2):  # warm allocator and library handles outside the capture
-                    fn(unpack(g.inputs))
+                    fn(g.inputs)
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
-                    g.logits = fn(unpack(g.inputs))
+                    g.logits = fn(g.inputs)
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 

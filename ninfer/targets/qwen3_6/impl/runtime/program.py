@@ -51,7 +51,7 @@ from ninfer.targets.qwen3_6.impl.runtime.graphs import DecodeGraphs
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 from ninfer.targets.qwen3_6.kernels import select_kernels
-from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
+from ninfer.targets.qwen3_6.model import StateStore, forward
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 
@@ -138,13 +138,7 @@ class Qwen36Program:
         self._sampling: SamplingBatch | None = None  # the last unit's rows' settings (see _sampling_batch)
         self._sampling_rows: tuple[SequenceHandle, ...] = ()
         if config.cuda_graphs and config.device.type == "cuda":
-            self._graphs = DecodeGraphs(
-                self._decode_logits,
-                self._steps.unpack,
-                n,
-                config.device,
-                scratch_slot=0,
-            )
+            self._graphs = DecodeGraphs(self._decode_logits, n, config.device, scratch_slot=0)
 
     # ---- static facts ---------------------------------------------------------------------------
     @property
@@ -405,8 +399,10 @@ class Qwen36Program:
         out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
         return out.logits, step
 
-    def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
-        """The unit a decode graph captures: one token per row in, last-token logits out."""
+    def _decode_logits(self, step: PackedStep) -> torch.Tensor:
+        """The unit a decode graph captures: the packed inputs (one token per row) unpacked, then the
+        forward to last-token logits."""
+        batch = self._steps.unpack(step)
         logits = forward(
             self.view, self.variant, batch, self.store, logits="last", kernels=self.kernels
         ).logits
