@@ -63,7 +63,6 @@ def main() -> None:
         queue_timeout_s=None,
         max_context=args.context + 3 * args.steps + 8,
         device="auto",
-        prefill_chunk_tokens=2048,
         cuda_graphs=True,
         kernels=args.kernels,  # type: ignore[arg-type]
         warmup=True,

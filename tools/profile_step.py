@@ -1,12 +1,14 @@
 """Where a decode step's and a prefill chunk's GPU time goes: per-kernel-class breakdown of one forward.
 
     python3 -m tools.profile_step PACKAGE [--kernels fast|reference] [--batch 1,8] [--context 2048]
-                                          [--prefill 2048]
+                                          [--prefill 2048[,8192]] [--prefill-detail]
 
 Random weights of the package's exact dims (as `ninfer bench --synthetic`), bf16 on CUDA, the model's
 `forward` over a state store sized for the batch. For each B: the decode step replayed from a CUDA graph
 (median of graph replays: the step's device time without the Engine), then one eager step under the torch
-profiler, kernels summed by class. The same for one prefill chunk of ``--prefill`` tokens.
+profiler, kernels summed by class. The same for one prefill chunk of each ``--prefill`` size;
+``--prefill-detail`` adds, for that chunk, every host sync it makes (by call site, from
+``torch.cuda.set_sync_debug_mode``) and its device time by aten op and input shape.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import argparse
 import json
 import os
 import re
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 
 import torch
 
@@ -65,6 +69,7 @@ def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.
         state_out=torch.arange(b, 2 * b, device=device),
         fresh=torch.zeros(b, dtype=torch.bool, device=device),
         query_start_host=tuple(qs),
+        context_lens_host=(context,) * b,
     )
 
 
@@ -88,6 +93,41 @@ def profile(fn, steps: int = 3) -> dict[str, float]:
     return {"classes": classes, "launches": {k: round(launches[k]) for k in classes}, "top": top}
 
 
+def sync_sites(fn) -> Counter[str]:
+    """Host syncs one call of ``fn`` makes, counted by the innermost non-torch frame that caused them.
+
+    torch flags reads back to the host and copies from pageable host memory; a ``non_blocking`` copy from
+    pageable memory also waits for the stream but is not flagged."""
+    sites: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        frames = [f for f in frames if "warnings" not in f.filename]
+        site = frames[-1] if frames else None
+        sites[f"{site.filename}:{site.lineno} {site.name}" if site else str(filename)] += 1
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
+def op_table(fn, rows: int = 25) -> str:
+    """Device time of one call of ``fn`` by aten op and input shapes (what launched the copies)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages(group_by_input_shape=True)
+    return averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=40)
+
+
 def graph_time_ms(fn) -> float:
     """Median CUDA-graph replay time of ``fn`` in milliseconds."""
     return time_us(graphed(fn)) / 1e3
@@ -99,15 +139,17 @@ def main() -> None:
     parser.add_argument("--kernels", default="fast")
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--prefill", default="2048", help="prefill chunk sizes, comma-separated")
+    parser.add_argument("--prefill-detail", action="store_true", help="host syncs and per-op device time")
     args = parser.parse_args()
     device = torch.device("cuda")
     variant = get_package(args.package).variant
     view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
     kernels = select_kernels(device, args.kernels)
     batches = [int(b) for b in args.batch.split(",")]
+    prefills = [int(n) for n in args.prefill.split(",")]
     page_size, b_max = 64, max(batches)
-    pages = b_max * -(-max(args.context, args.prefill) // page_size)
+    pages = b_max * -(-max(args.context, *prefills) // page_size)
     store = StateStore.allocate(variant, 2 * b_max, pages, page_size, torch.bfloat16, device)
     report: dict = {"package": args.package, "kernels": kernels.name, "decode": {}, "prefill": {}}
     with torch.inference_mode():
@@ -126,26 +168,34 @@ def main() -> None:
                 print(f"   {label:12s} {us:9.1f} us  {counts[label]:5d} launches", flush=True)
             for name, us in report["decode"][b]["top"]:
                 print(f"      {us:9.1f} us  {name}", flush=True)
-        batch = make_batch(1, args.prefill, args.prefill, page_size, device)
+        for tokens in prefills:
+            batch = make_batch(1, tokens, tokens, page_size, device)
 
-        def chunk() -> None:
-            forward(view, variant, batch, store, logits="last", kernels=kernels)
+            def chunk(batch: StepBatch = batch) -> None:
+                forward(view, variant, batch, store, logits="last", kernels=kernels)
 
-        chunk()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
             chunk()
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / 3
-        report["prefill"] = {"tokens": args.prefill, "ms": ms, **profile(chunk, steps=1)}
-        print(f"prefill {args.prefill} tokens: {ms:.1f} ms ({args.prefill / ms * 1e3:.0f} tok/s)", flush=True)
-        for label, us in report["prefill"]["classes"].items():
-            print(f"   {label:12s} {us / 1e3:9.2f} ms", flush=True)
-        for name, us in report["prefill"]["top"]:
-            print(f"      {us / 1e3:9.2f} ms  {name}", flush=True)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                chunk()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / 3
+            report["prefill"][tokens] = {"ms": ms, **profile(chunk, steps=1)}
+            print(f"prefill {tokens} tokens: {ms:.1f} ms ({tokens / ms * 1e3:.0f} tok/s)", flush=True)
+            for label, us in report["prefill"][tokens]["classes"].items():
+                print(f"   {label:12s} {us / 1e3:9.2f} ms", flush=True)
+            for name, us in report["prefill"][tokens]["top"]:
+                print(f"      {us / 1e3:9.2f} ms  {name}", flush=True)
+            if args.prefill_detail:
+                sites = sync_sites(chunk)
+                report["prefill"][tokens]["syncs"] = dict(sites)
+                print(f"prefill host syncs: {sum(sites.values())}", flush=True)
+                for site, count in sites.most_common(20):
+                    print(f"   {count:4d}  {site}", flush=True)
+                print(op_table(chunk), flush=True)
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], f"profile_{args.package}_{kernels.name}.json")
         with open(path, "w") as f:

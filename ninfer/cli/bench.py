@@ -14,7 +14,7 @@ import json
 import sys
 
 from ninfer.cli.common import add_kernels_flag, fail, split_artifact
-from ninfer.types import MAX_CONCURRENCY_LIMIT, EngineConfig
+from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_PREFILL_TOKENS = 8192
@@ -70,8 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefill-chunk",
         type=positive_int,
-        default=EngineConfig().prefill_chunk_tokens,
-        help="prompt tokens per prefill unit (EngineConfig.prefill_chunk_tokens)",
+        default=None,
+        help="prompt tokens per prefill unit (EngineConfig.prefill_chunk_tokens; default 8192 with the "
+        "fast op table, 2048 with the reference one)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto)")
     p.add_argument(
@@ -95,6 +96,15 @@ def _prefill_tokens(args: argparse.Namespace, max_positions: int) -> int:
     if cap < DEFAULT_PREFILL_TOKENS:
         print(f"ninfer: the model holds {max_positions} positions; prefill uses {cap}", file=sys.stderr)
     return max(1, min(DEFAULT_PREFILL_TOKENS, cap))
+
+
+def _default_chunk(device: str, kernels: str) -> int:
+    """The Engine's own prefill unit for this device and op table (the plan needs it before the start)."""
+    from ninfer.targets.open import resolve_device
+    from ninfer.targets.qwen3_6.kernels import kernels_name
+    from ninfer.types import default_prefill_chunk
+
+    return default_prefill_chunk(kernels_name(resolve_device(device), kernels))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps,
             prefill_tokens=_prefill_tokens(args, package.variant.max_position_embeddings),
             prefill_repeats=args.prefill_repeats,
-            prefill_chunk=args.prefill_chunk,
+            prefill_chunk=args.prefill_chunk or _default_chunk(args.device, args.kernels),
         )
         options = BenchOptions(
             plan=plan,

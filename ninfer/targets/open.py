@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
+from ninfer.targets.qwen3_6.kernels import kernels_name
+from ninfer.types import default_prefill_chunk
 
 # Without an explicit max_context a Program holds this many positions per request (bounded so the
 # default KV pool stays small; the model itself allows variant.max_position_embeddings).
@@ -153,13 +155,16 @@ def _check_state_memory(
         return
     need = state_bytes(variant, 2 * config.max_concurrency, num_pages, config.page_size, dtype)
     free, _ = torch.cuda.mem_get_info(device)
-    headroom = 2 * 2**30  # activations, sampling and graph pools
+    # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit
+    chunk = config.prefill_chunk_tokens or default_prefill_chunk(kernels_name(device, config.kernels))
+    headroom = 2 * 2**30 * max(1, -(-chunk // 2048))
     if need + headroom > free:
         gib = 2**30
         raise ValueError(
             f"the KV pool for max_context={max_context} x max_concurrency={config.max_concurrency} needs "
-            f"{need / gib:.1f} GiB (+{headroom / gib:.0f} GiB working space) but {free / gib:.1f} GiB is "
-            "free after the weights; lower --max-context or --max-concurrency"
+            f"{need / gib:.1f} GiB (+{headroom / gib:.0f} GiB working space for {chunk}-token prefill "
+            f"units) but {free / gib:.1f} GiB is free after the weights; lower --max-context or "
+            "--max-concurrency"
         )
 
 

@@ -276,6 +276,22 @@ def test_forced_tokens_without_program_logprobs_report_zero() -> None:
 # scheduling
 # ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize(
+    ("table", "explicit", "want"),
+    [(None, None, 2048), ("reference", None, 2048), ("fast", None, 8192), ("fast", 300, 300)],
+)
+def test_prefill_unit_defaults_to_the_op_tables_choice(
+    table: str | None, explicit: int | None, want: int
+) -> None:
+    """prefill_chunk_tokens=None takes the unit of the op table the Program runs (`kernels.name`; a
+    Program without one counts as the reference), an explicit value always wins."""
+    program = _program()
+    if table is not None:
+        program.kernels = type("Table", (), {"name": table})()  # type: ignore[attr-defined]
+    engine, _, _ = make_engine(program=program, max_concurrency=1, prefill_chunk_tokens=explicit)
+    assert engine.config.prefill_chunk_tokens == want
+
+
 def test_chunked_prefill_alternates_with_decode_and_rounds_use_exact_b() -> None:
     program = ScriptedProgram(max_concurrency=4, max_context=64, page_size=4, kv_pages=64, eos_period=0)
     engine, program, _ = make_engine(program=program, max_concurrency=4, prefill_chunk_tokens=2)

@@ -74,6 +74,7 @@ def _teacher_forced_logits(
         state_out=slot,
         fresh=torch.ones(1, dtype=torch.bool, device="cuda"),
         query_start_host=(0, prefill),
+        context_lens_host=(prefill,),
     )
     with torch.inference_mode():
         out = [

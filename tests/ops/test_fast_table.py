@@ -100,3 +100,16 @@ def test_attention_output_gate_matches_the_reference(table: ModuleType) -> None:
     o = torch.randn(n, heads, d, generator=gen)
     want = table.REFERENCE.attention_output_gate(o, qkv, variant)
     torch.testing.assert_close(table._fast_attention_output_gate(o, qkv, variant), want, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_add_rms_norm_equals_the_reference_composition(table: ModuleType) -> None:
+    """The projection (the GEMV for one row, F.linear for more) then the fused add + norm equals the
+    reference composition (F.linear, then add_rms_norm)."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, n, k in ((1, 33, 40), (1, 5, 24), (3, 33, 40)):
+        act, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * k**-0.5
+        residual, weight = torch.randn(rows, n, generator=gen), torch.randn(n, generator=gen) * 0.1
+        want_h, want_x = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+        got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+        torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)

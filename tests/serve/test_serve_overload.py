@@ -139,8 +139,11 @@ def test_queue_timeout_is_503(frontend: Frontend) -> None:
 
         async def two() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-                slow = client.post("/v1/completions", json=_completion_body(1, 16))
-                await asyncio.sleep(0.05)
+                # the slow request holds the one lane before the late one is sent
+                slow = asyncio.create_task(client.post("/v1/completions", json=_completion_body(1, 16)))
+                await asyncio.to_thread(
+                    wait_until, lambda: metric(server.url, "ninfer_active_lanes") == 1, timeout=5
+                )
                 late = client.post("/v1/completions", json=_completion_body(2, 2))
                 return list(await asyncio.gather(slow, late))
 

@@ -1,5 +1,5 @@
-"""The op tables of `ninfer.targets.qwen3_6.kernels`: selection rules, and the fast prefill attention
-(plain SDPA, so it runs on CPU too) against the reference paged attention."""
+"""The op tables of `ninfer.targets.qwen3_6.kernels`: selection rules, the fast prefill attention (plain
+SDPA, so it runs on CPU too) against the reference paged attention, and fla's varlen chunk table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ninfer.ops.attention import paged_attention
-from ninfer.targets.qwen3_6.kernels import REFERENCE, _sdpa_prefill_attention, select_kernels
+from ninfer.targets.qwen3_6.kernels import REFERENCE, _fla_varlen, _sdpa_prefill_attention, select_kernels
+from ninfer.targets.qwen3_6.model import StepBatch
 
 torch.set_num_threads(1)
 
@@ -41,5 +42,40 @@ def test_sdpa_prefill_attention_equals_reference(heads: int, kv_heads: int) -> N
     query_start = torch.tensor([0, 9, 14, 15], dtype=torch.int32)
     context_lens = torch.tensor(contexts, dtype=torch.int32)
 
-    args = (q, k_pages, v_pages, table, query_start, context_lens, dim**-0.5)
-    torch.testing.assert_close(_sdpa_prefill_attention(*args), paged_attention(*args), rtol=1e-5, atol=1e-5)
+    want = paged_attention(q, k_pages, v_pages, table, query_start, context_lens, dim**-0.5)
+    for host in (False, True):  # row bounds read back from the device, or the builder's host copies
+        batch = _batch(query_start, context_lens, table, host)
+        got = _sdpa_prefill_attention(q, k_pages, v_pages, batch, dim**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(REFERENCE.prefill_attention(q, k_pages, v_pages, batch, dim**-0.5), want)
+
+
+def _batch(query_start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, host: bool) -> StepBatch:
+    n, b = int(query_start[-1]), len(lens)
+    return StepBatch(
+        token_ids=torch.zeros(n, dtype=torch.long),
+        positions=torch.zeros(3, n, dtype=torch.long),
+        query_start=query_start,
+        context_lens=lens,
+        block_table=table,
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        state_in=torch.zeros(b, dtype=torch.long),
+        state_out=torch.zeros(b, dtype=torch.long),
+        fresh=torch.zeros(b, dtype=torch.bool),
+        query_start_host=tuple(query_start.tolist()) if host else None,
+        context_lens_host=tuple(lens.tolist()) if host else None,
+    )
+
+
+def test_fla_varlen_chunk_table() -> None:
+    """Rows of 130, 1 and 64 tokens: 3 + 1 + 1 chunks of 64, each (row, chunk within the row); built once
+    per step (the same object for every layer of one batch, a new one for the next batch)."""
+    query_start = torch.tensor([0, 130, 131, 195], dtype=torch.int32)
+    context_lens = torch.tensor([130, 1, 64], dtype=torch.int32)
+    batch = _batch(query_start, context_lens, torch.zeros(3, 1, dtype=torch.int32), host=True)
+    meta = _fla_varlen(batch)
+    assert meta.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0]]
+    assert meta.chunk_indices.dtype == torch.int32 and meta.cu_seqlens_cpu.tolist() == [0, 130, 131, 195]
+    assert _fla_varlen(batch) is meta
+    other = _batch(query_start.clone(), context_lens, torch.zeros(3, 1, dtype=torch.int32), host=True)
+    assert _fla_varlen(other) is not meta

@@ -4,10 +4,11 @@
     out[t] = sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = expert_ids[t, k]
 
 with gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I]. The router stays outside
-(`ninfer.ops.triton.moe_routing` gives the fp32 weights, int32 ids and the shared-expert weight in one
-launch). With `shared=SharedExpert(gate_up [2I_s, H], down [H, I_s], weight [T])` the always-on shared expert
-joins the same fp32 sum, out[t] += weight[t] * shared(x[t]), rounded once at the end as
-`REFERENCE.moe_block` does, so the MoE block of a decode step is three launches after the router GEMM.
+(`ninfer.ops.triton.moe_route_gemv` at decode, `moe_routing` after the router GEMM at prefill, give the
+fp32 weights, int32 ids and the shared-expert weight). With `shared=SharedExpert(gate_up [2I_s, H],
+down [H, I_s], weight [T])` the always-on shared expert joins the same fp32 sum, out[t] += weight[t] *
+shared(x[t]), rounded once at the end as `REFERENCE.moe_block` does, so the MoE block of a decode step
+is three launches with the routing.
 Two paths, both fully on the device (no host sync, every shape and grid from the static T and K, so either
 can be captured in the decode CUDA graph):
 

@@ -14,8 +14,9 @@ over in fp32 because `fused_moe` reads them in fp32 anyway) and `sigmoid(F.linea
 
 Shape: one program per token. A decode row is E = 256 logits (one register tile) and, with the shared gate,
 one H = 2048 dot; the work is tiny, so the point of the kernel is replacing ~8 launches (softmax, top-k,
-sum, divide, casts, the gate GEMV and sigmoid) by one, with no host sync and every shape static (it is
-captured in the decode CUDA graph, and prefill calls it at up to 8192 tokens).
+sum, divide, casts, the gate GEMV and sigmoid) by one, with no host sync and every shape static. Prefill
+calls it after the router GEMM (up to a prefill unit of tokens); decode of up to 16 tokens takes
+`moe_route_gemv`, which fuses the router GEMV in.
 
 Top-k is K rounds of (max, lowest index attaining it, mark taken) over the tile. The ranking uses the fp32
 logits rather than the probs: softmax is monotonic, so the order is the probs' order, but it does not
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from ninfer.ops.triton import pdl
 
-__all__ = ["moe_route_topk"]
+__all__ = ["moe_route_topk", "output_buffer"]
 
 _MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
 
@@ -92,14 +93,17 @@ def _route_topk_kernel(
         tl.store(shared_weight_ptr + token * shared_weight_stride_t, tl.sigmoid(gate_logit))
 
 
-def _check_out(
+def output_buffer(
     name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
+    """``out`` if it is a buffer of that shape, dtype and device (ValueError naming it otherwise), else a
+    new one."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(
-            f"{name} must be {list(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype}"
+            f"{name} must be {list(shape)} {dtype} on {device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     return out
 
@@ -135,8 +139,8 @@ def moe_route_topk(
     if (x is None) != (shared_expert_gate is None):
         raise ValueError("pass both x and shared_expert_gate, or neither")
     device = router_logits.device
-    weights = _check_out("weights_out", weights_out, (tokens, top_k), torch.float32, device)
-    ids = _check_out("ids_out", ids_out, (tokens, top_k), torch.int32, device)
+    weights = output_buffer("weights_out", weights_out, (tokens, top_k), torch.float32, device)
+    ids = output_buffer("ids_out", ids_out, (tokens, top_k), torch.int32, device)
     has_shared = x is not None
     shared_weight = None
     hidden_size = 1
@@ -147,7 +151,9 @@ def moe_route_topk(
             raise ValueError(f"x must be [{tokens}, H] floating point, got {tuple(x.shape)} {x.dtype}")
         if shared_expert_gate.numel() != hidden_size or shared_expert_gate.dim() not in (1, 2):
             raise ValueError(f"shared_expert_gate must be [1, {hidden_size}] or [{hidden_size}]")
-        shared_weight = _check_out("shared_weight_out", shared_weight_out, (tokens,), torch.float32, device)
+        shared_weight = output_buffer(
+            "shared_weight_out", shared_weight_out, (tokens,), torch.float32, device
+        )
         x = x if x.stride(-1) == 1 else x.contiguous()
         shared_expert_gate = shared_expert_gate.reshape(hidden_size)
         shared_expert_gate = (

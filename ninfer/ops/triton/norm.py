@@ -6,7 +6,7 @@
   input and one write of each output.
 - `gated_rms_norm(x, w, z)`: the GDN output norm, ((x / rms(x)) cast, times the plain w in the model
   dtype) times silu(z) in fp32, cast. x is first cast to z's dtype, which fuses the `o.to(z.dtype)` of
-  the model's `gdn_output` (x may be the fp32 recurrence output); the result is in z's dtype.
+  the model's `gdn_gated_norm` (x may be the fp32 recurrence output); the result is in z's dtype.
 
 Every row is reduced whole in registers (N <= 8192 here: 5120 / 2048 hidden, 256 q/k heads, 128 GDN
 value heads), so each element is read from memory once and written once: the norms are pure bandwidth
@@ -110,7 +110,7 @@ def _gated_rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & mask_n[None, :]
     x_tile = _row_offsets(rows, x_inner, x_stride_outer, x_stride_inner)[:, None] + cols[None, :]
     z_tile = _row_offsets(rows, z_inner, z_stride_outer, z_stride_inner)[:, None] + cols[None, :]
-    # x is cast to the model (z's) dtype first, as gdn_output does before the norm
+    # x is cast to the model (z's) dtype first, as gdn_gated_norm does before the norm
     x32 = tl.load(x_ptr + x_tile, mask=mask, other=0.0).to(NORMED_DTYPE).to(tl.float32)
     z32 = tl.load(z_ptr + z_tile, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)

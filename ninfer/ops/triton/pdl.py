@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (Hopper and later), opt-in with ``NINFER_PDL=1``: a candidate, off by
-default until the H200 shows it helps.
+"""Programmatic dependent launch (Hopper and later), on by default there; ``NINFER_PDL=0`` turns it off.
+On the H200 it took 0.38 ms off a 27B decode step (13.72 -> 13.34 ms graph replay, B = 1) and 0.28 ms
+off a 35B-A3B one (2.92 -> 2.65 ms).
 
 A decode step is hundreds of small kernels in a row (27B at B = 1: 688 launches for 13.7 ms), and each one
 pays the launch and block-scheduling latency after the previous kernel has fully drained. With PDL every
@@ -23,7 +24,7 @@ __all__ = ["ENABLED", "LAUNCH", "enter"]
 
 
 def _enabled() -> bool:
-    if os.environ.get("NINFER_PDL", "0") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("NINFER_PDL", "1") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     import torch
 

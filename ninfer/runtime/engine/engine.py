@@ -16,6 +16,7 @@ called without an active exception").
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import secrets
 import threading
@@ -40,6 +41,7 @@ from ninfer.types import (
     GenerationResult,
     RequestRejected,
     ScoreResult,
+    default_prefill_chunk,
     resolve_sampling,
     sampling_problems,
 )
@@ -172,6 +174,9 @@ class Engine:
         clock: Callable[[], float] | None,
         start_worker: bool,
     ) -> None:
+        if config.prefill_chunk_tokens is None:  # the default of the op table the Program runs
+            table = getattr(getattr(program, "kernels", None), "name", "reference")
+            config = dataclasses.replace(config, prefill_chunk_tokens=default_prefill_chunk(table))
         self.config = config
         self.package_name = package_name
         self._frontend = frontend

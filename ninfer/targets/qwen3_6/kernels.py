@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 
-# (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch) -> o [N, nv, dv]
+# (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch)
+# -> o [N, nv, dv] in fp32 or the model dtype (the gated norm casts it to the model dtype first)
 GdnStep = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, Tensor, Tensor, "StepBatch"], Tensor]
 
 
@@ -67,8 +68,8 @@ class Kernels:
     gdn_prefill: GdnStep  # rows of any length
     # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale) -> [B, nH, D]: graph-capturable
     decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
-    # (q [N, nH, D], k_pages, v_pages, block_table, query_start, context_lens, scale) -> [N, nH, D]
-    prefill_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    # (q [N, nH, D], k_pages, v_pages, batch, scale) -> [N, nH, D]: rows, pages and lengths from the batch
+    prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float], Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
     # -> q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots
     attention_prologue: Callable[
@@ -81,6 +82,9 @@ class Kernels:
     moe_block: Callable[[MoeMlpView, Variant, Tensor, bool], Tensor]
     # (x [M, K], w [N, K]) -> x @ w.T: every dense projection
     linear: Callable[[Tensor, Tensor], Tensor]
+    # (act [M, K], w [N, K], residual [M, N], weight, eps) -> add_rms_norm(act @ w.T, residual, weight, eps):
+    # a block's output projection with the residual add and the next norm
+    linear_add_rms_norm: Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 
 
 # ---- reference compositions ---------------------------------------------------------------------
@@ -89,6 +93,12 @@ class Kernels:
 def _reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     summed = residual + x
     return rms_norm(summed, weight, eps), summed
+
+
+def _reference_linear_add_rms_norm(
+    act: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    return _reference_add_rms_norm(F.linear(act, w), residual, weight, eps)
 
 
 def qkv_heads(
@@ -118,6 +128,14 @@ def _reference_attention_prologue(
     q, _, k, v = qkv_heads(qkv, q_norm, k_norm, cos, sin, variant)
     kv_write(k_pages, v_pages, k, v, slot_mapping)
     return q
+
+
+def _reference_prefill_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, batch: StepBatch, scale: float
+) -> Tensor:
+    return paged_attention(
+        q, k_pages, v_pages, batch.block_table, batch.query_start, batch.context_lens, scale
+    )
 
 
 def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
@@ -250,11 +268,12 @@ REFERENCE = Kernels(
     gdn_decode=_reference_gdn_decode,
     gdn_prefill=_reference_gdn_prefill,
     decode_attention=reference_decode_attention,
-    prefill_attention=paged_attention,
+    prefill_attention=_reference_prefill_attention,
     attention_prologue=_reference_attention_prologue,
     attention_output_gate=_reference_attention_output_gate,
     moe_block=_reference_moe_block,
     linear=F.linear,
+    linear_add_rms_norm=_reference_linear_add_rms_norm,
 )
 
 
@@ -284,6 +303,49 @@ def _fast_gdn_decode(
     )
 
 
+# the chunk length of fla's varlen chunked delta rule (passed to it) and conv (fixed at 64 inside fla)
+_FLA_CHUNK = 64
+
+
+@dataclass(frozen=True, eq=False)
+class _FlaVarlen:
+    """fla's varlen metadata of one step, built once for all its GDN layers."""
+
+    query_start: Tensor  # the batch's own device tensor and its host bounds: the key this was built for
+    bounds: tuple[int, ...]
+    cu_seqlens_cpu: Tensor
+    chunk_indices: Tensor  # [chunks, 2] (row, chunk within the row), on the device
+
+
+_last_fla_varlen: list[_FlaVarlen] = []
+
+
+def _fla_varlen(batch: StepBatch) -> _FlaVarlen:
+    """The step's chunk table, from the host row bounds, copied without draining the GPU queue (pinned).
+
+    fla builds it itself when not given one, from a host copy that we would have to rebuild per layer,
+    and reads it back to the device from pageable memory: a full host sync in every GDN layer.
+    """
+    bounds = batch.query_bounds()
+    cached = _last_fla_varlen[0] if _last_fla_varlen else None  # one read: another Program may swap it
+    if cached is not None and cached.query_start is batch.query_start and cached.bounds == tuple(bounds):
+        return cached
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    chunks = [(row, i) for row, length in enumerate(lengths) for i in range(-(-length // _FLA_CHUNK))]
+    device = batch.query_start.device
+    table = torch.tensor(chunks, dtype=batch.query_start.dtype).view(-1, 2)
+    if device.type == "cuda":
+        table = table.pin_memory()
+    meta = _FlaVarlen(
+        query_start=batch.query_start,
+        bounds=tuple(bounds),
+        cu_seqlens_cpu=torch.tensor(bounds, dtype=batch.query_start.dtype),
+        chunk_indices=table.to(device, non_blocking=True),
+    )
+    _last_fla_varlen[:] = [meta]
+    return meta
+
+
 def _fast_gdn_prefill(
     w: GdnLayerView,
     variant: Variant,
@@ -294,13 +356,15 @@ def _fast_gdn_prefill(
     rec_slots: Tensor,
     batch: StepBatch,
 ) -> Tensor:
-    """fla-core varlen conv and chunked delta rule over all rows at once (gating and l2norm in-kernel)."""
+    """fla-core varlen conv and chunked delta rule over all rows at once (gating and l2norm in-kernel).
+
+    Returns o in the model dtype (fla's output; the gated norm casts to it first anyway)."""
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
     cu_seqlens = batch.query_start
-    cu_seqlens_cpu = torch.tensor(batch.query_bounds(), dtype=torch.int32)
+    varlen = _fla_varlen(batch)
     # fla keeps a conv window of the kernel's full width K (its first column unused here); ours holds K-1
     conv_out, conv_final = fla_causal_conv1d(
         mixed_qkv.contiguous().unsqueeze(0),
@@ -309,6 +373,8 @@ def _fast_gdn_prefill(
         output_final_state=True,
         activation="silu",
         cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=varlen.cu_seqlens_cpu,
+        chunk_indices=varlen.chunk_indices,
     )
     q, k, v = split_conv_output(variant, conv_out)  # [1, N, heads, d]
     g, beta = gdn_gating(a, b, w.A_log, w.dt_bias)
@@ -321,30 +387,29 @@ def _fast_gdn_prefill(
         initial_state=rec_in,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
+        chunk_size=_FLA_CHUNK,
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens_cpu=varlen.cu_seqlens_cpu,
+        chunk_indices=varlen.chunk_indices,
     )
     conv_slots.index_copy_(0, batch.state_out, conv_final[..., 1:].to(conv_slots.dtype))
     rec_slots.index_copy_(0, batch.state_out, rec_final.float())
-    return o[0].float()
+    return o[0]
 
 
 def _sdpa_prefill_attention(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_table: Tensor,
-    query_start: Tensor,
-    context_lens: Tensor,
-    scale: float,
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, batch: StepBatch, scale: float
 ) -> Tensor:
-    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking."""
+    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking.
+
+    Row bounds and lengths come from the batch's host copies (no device read-back)."""
     from torch.nn.attention.bias import causal_lower_right
 
     page_size, n_kv = k_pages.shape[1], k_pages.shape[2]
     group = q.shape[1] // n_kv
+    block_table = batch.block_table
     out = torch.empty_like(q)
-    starts, lengths = query_start.tolist(), context_lens.tolist()  # host sync: prefill path only
+    starts, lengths = batch.query_bounds(), batch.context_lengths()
     for row, context_len in enumerate(lengths):
         q_row = q[starts[row] : starts[row + 1]]
         n_queries = q_row.shape[0]
@@ -393,21 +458,26 @@ def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Ten
 
 
 def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
-    """Router GEMM, then one routing launch (top-k + the shared expert's sigmoid gate) and the fused
-    experts with the shared expert as one more weighted slot: 4 launches in a decode step."""
+    """Routing (router GEMV, top-k, the shared expert's sigmoid gate), then the fused experts with the
+    shared expert as one more weighted slot: 3 launches in a decode step (routing, gate/up, down and
+    combine); for prefill the router GEMM and the routing kernel are apart."""
     from ninfer.ops.triton.fused_moe import SharedExpert, default_config, fused_moe
+    from ninfer.ops.triton.moe_route_gemv import MAX_TOKENS, moe_route_gemv
     from ninfer.ops.triton.moe_routing import moe_route_topk
 
-    num_experts = w.router.shape[0]
+    num_experts, top_k = w.router.shape[0], variant.num_experts_per_tok
     if w.input_proj is not None:  # rows [router; shared gate; shared up]: the shared gate_up is a slice
-        router_logits = _fast_linear(x, w.input_proj[:num_experts])
-        shared_gate_up = w.input_proj[num_experts:]
+        router, shared_gate_up = w.input_proj[:num_experts], w.input_proj[num_experts:]
     else:
-        router_logits = _fast_linear(x, w.router.to(x.dtype))
-        shared_gate_up = torch.cat([w.shared_gate_proj, w.shared_up_proj])
-    weights, expert_ids, shared_weight = moe_route_topk(
-        router_logits, variant.num_experts_per_tok, x=x, shared_expert_gate=w.shared_expert_gate
-    )
+        router, shared_gate_up = w.router.to(x.dtype), torch.cat([w.shared_gate_proj, w.shared_up_proj])
+    if decode and x.shape[0] <= MAX_TOKENS:
+        weights, expert_ids, shared_weight = moe_route_gemv(
+            x, router, top_k, shared_expert_gate=w.shared_expert_gate
+        )
+    else:
+        weights, expert_ids, shared_weight = moe_route_topk(
+            _fast_linear(x, router), top_k, x=x, shared_expert_gate=w.shared_expert_gate
+        )
     assert shared_weight is not None
     shared = SharedExpert(gate_up=shared_gate_up, down=w.shared_down_proj, weight=shared_weight)
     # the decode path runs the shared expert as one more slot of equal width; a wider one takes the
@@ -426,6 +496,17 @@ def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
 
         return skinny_linear(x, w)
     return F.linear(x, w)
+
+
+def _fast_linear_add_rms_norm(
+    act: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """The projection, then the fused add + norm: two launches. The one-launch form for one row
+    (`ops.triton.gemv_norm`, the GEMV's last program doing the add and the norm) measured 0.3 ms slower
+    per 27B decode step than these two under programmatic dependent launch, so it is not selected."""
+    from ninfer.ops.triton.norm import add_rms_norm
+
+    return add_rms_norm(_fast_linear(act, w), residual, weight, eps)
 
 
 def fast_kernels() -> Kernels:
@@ -458,6 +539,7 @@ def fast_kernels() -> Kernels:
         attention_output_gate=_fast_attention_output_gate,
         moe_block=_fast_moe_block,
         linear=_fast_linear,
+        linear_add_rms_norm=_fast_linear_add_rms_norm,
     )
 
 

@@ -50,11 +50,15 @@ __all__ = [
     "attention_mixer",
     "attention_qkv",
     "attention_projection",
+    "attention_activation",
     "gdn_mixer",
+    "gdn_activation",
+    "gdn_gated_norm",
     "gdn_projection",
     "gdn_split_heads",
     "gdn_output",
     "mlp",
+    "dense_mlp_activation",
 ]
 
 
@@ -137,6 +141,10 @@ class StepBatch:
     fresh         [B] bool        the row starts from zero GDN state instead of reading state_in
     inputs_embeds [N, H] | None   replaces the token embeddings (vision)
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
+    context_lens_host             context_lens as host ints (prefill attention reads them)
+
+    The host copies let the prefill ops size their launches without reading the device tensors back: such a
+    read is a host sync that drains the GPU queue, and the host then trails the GPU for the rest of the step.
     """
 
     token_ids: Tensor
@@ -150,12 +158,19 @@ class StepBatch:
     fresh: Tensor
     inputs_embeds: Tensor | None = None
     query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
+    context_lens_host: tuple[int, ...] | None = None  # context_lens on the host, when the builder knows it
 
     def query_bounds(self) -> list[int]:
         """query_start as host ints (a device sync only when the builder did not supply them)."""
         if self.query_start_host is not None:
             return list(self.query_start_host)
         return self.query_start.tolist()
+
+    def context_lengths(self) -> list[int]:
+        """context_lens as host ints (a device sync only when the builder did not supply them)."""
+        if self.context_lens_host is not None:
+            return list(self.context_lens_host)
+        return self.context_lens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -191,8 +206,9 @@ def forward(
 ) -> ForwardOutput:
     """Run the text model over ``batch``, reading and writing ``store`` in place.
 
-    Each residual add is fused with the norm that follows it (``add_rms_norm``): the stream ``x`` and the
-    normed input ``h`` of the next block come out of one op.
+    Each block's output projection, the residual add and the norm that follows are one op
+    (``linear_add_rms_norm``; ``add_rms_norm`` after the MoE block): the stream ``x`` and the normed
+    input ``h`` of the next block come out of it.
     """
     text = view.text
     if batch.inputs_embeds is not None:
@@ -232,10 +248,31 @@ def _layer_blocks(
 ) -> tuple[Tensor, Tensor]:
     """One decoder layer on the normed input ``h`` and stream ``x`` -> (next block's normed input, x)."""
     eps = variant.rms_norm_eps
-    mixed = _mixer(layer, variant, h, batch, store, cos, sin, kernels)
-    h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_norm, eps)
-    mlp_out = mlp(layer.mlp, variant, h, decode=batch.is_decode, kernels=kernels)
-    return kernels.add_rms_norm(mlp_out, x, following_norm, eps)
+    act, out_proj = _mixer_activation(layer, variant, h, batch, store, cos, sin, kernels)
+    h, x = kernels.linear_add_rms_norm(act, out_proj, x, layer.post_attention_norm, eps)
+    if isinstance(layer.mlp, MoeMlpView):
+        mlp_out = kernels.moe_block(layer.mlp, variant, h, batch.is_decode)
+        return kernels.add_rms_norm(mlp_out, x, following_norm, eps)
+    act = dense_mlp_activation(layer.mlp, h, kernels)
+    return kernels.linear_add_rms_norm(act, layer.mlp.down_proj, x, following_norm, eps)
+
+
+def _mixer_activation(
+    layer: DecoderLayerView,
+    variant: Variant,
+    h: Tensor,
+    batch: StepBatch,
+    store: StateStore,
+    cos: Tensor,
+    sin: Tensor,
+    kernels: Kernels,
+) -> tuple[Tensor, Tensor]:
+    """The mixer up to its output projection: (the projection's input, the projection weight)."""
+    i, w = layer.state_index, layer.mixer
+    if isinstance(w, GdnLayerView):
+        return gdn_activation(w, variant, h, batch, store.conv[i], store.rec[i], kernels), w.out_proj
+    act = attention_activation(w, variant, h, batch, store.k_pages[i], store.v_pages[i], cos, sin, kernels)
+    return act, w.o_proj
 
 
 def _mixer(
@@ -304,7 +341,23 @@ def attention_mixer(
     sin: Tensor,
     kernels: Kernels = REFERENCE,
 ) -> Tensor:
-    """Gated attention over the paged KV of this layer; writes the new tokens' K/V first.
+    """Gated attention over the paged KV of this layer (writes the new tokens' K/V first) -> [N, H]."""
+    act = attention_activation(w, variant, x, batch, k_pages, v_pages, cos, sin, kernels)
+    return kernels.linear(act, w.o_proj)
+
+
+def attention_activation(
+    w: AttentionLayerView,
+    variant: Variant,
+    x: Tensor,
+    batch: StepBatch,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kernels: Kernels = REFERENCE,
+) -> Tensor:
+    """`attention_mixer` up to o_proj: the gated attention output [N, nH*D].
 
     The prologue normalises and ropes q and k and writes k and v into their slots; the output gate
     reads its columns of qkv in place.
@@ -317,10 +370,8 @@ def attention_mixer(
     if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync)
         o = kernels.decode_attention(q, k_pages, v_pages, batch.block_table, batch.context_lens, scale)
     else:
-        o = kernels.prefill_attention(
-            q, k_pages, v_pages, batch.block_table, batch.query_start, batch.context_lens, scale
-        )
-    return kernels.linear(kernels.attention_output_gate(o, qkv, variant), w.o_proj)
+        o = kernels.prefill_attention(q, k_pages, v_pages, batch, scale)
+    return kernels.attention_output_gate(o, qkv, variant)
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------
@@ -341,11 +392,18 @@ def gdn_projection(
 def gdn_output(
     w: GdnLayerView, variant: Variant, o: Tensor, z: Tensor, kernels: Kernels = REFERENCE
 ) -> Tensor:
-    """Delta-rule output o [N, nv, dv] (fp32) -> gated norm with silu(z) -> out_proj -> [N, H]."""
+    """Delta-rule output o [N, nv, dv] (fp32 or model dtype) -> gated norm with silu(z) -> out_proj."""
+    return kernels.linear(gdn_gated_norm(w, variant, o, z, kernels), w.out_proj)
+
+
+def gdn_gated_norm(
+    w: GdnLayerView, variant: Variant, o: Tensor, z: Tensor, kernels: Kernels = REFERENCE
+) -> Tensor:
+    """`gdn_output` up to out_proj: the gated norm with silu(z), [N, nv*dv] in the model dtype."""
     n, nv, dv = o.shape
     # the norm casts o to the model dtype first, as HF does (the fast kernel folds that cast in)
     normed = kernels.gated_rms_norm(o, w.norm, z.reshape(n, nv, dv), variant.rms_norm_eps)
-    return kernels.linear(normed.reshape(n, nv * dv), w.out_proj)
+    return normed.reshape(n, nv * dv)
 
 
 def gdn_mixer(
@@ -361,10 +419,23 @@ def gdn_mixer(
 
     conv_slots [S, conv_dim, K-1] and rec_slots [S, nv, dk, dv] are this layer's slices of the store.
     """
+    return kernels.linear(gdn_activation(w, variant, x, batch, conv_slots, rec_slots, kernels), w.out_proj)
+
+
+def gdn_activation(
+    w: GdnLayerView,
+    variant: Variant,
+    x: Tensor,
+    batch: StepBatch,
+    conv_slots: Tensor,
+    rec_slots: Tensor,
+    kernels: Kernels = REFERENCE,
+) -> Tensor:
+    """`gdn_mixer` up to out_proj: the gated norm output [N, nv*dv]."""
     mixed_qkv, z, a, b = gdn_projection(w, x, kernels)
     step = kernels.gdn_decode if batch.is_decode else kernels.gdn_prefill
     o = step(w, variant, mixed_qkv, a, b, conv_slots, rec_slots, batch)
-    return gdn_output(w, variant, o, z, kernels)
+    return gdn_gated_norm(w, variant, o, z, kernels)
 
 
 # ---- MLP ------------------------------------------------------------------------------------------
@@ -384,9 +455,14 @@ def mlp(
     """
     if isinstance(w, MoeMlpView):
         return kernels.moe_block(w, variant, x, decode)
+    return kernels.linear(dense_mlp_activation(w, x, kernels), w.down_proj)
+
+
+def dense_mlp_activation(w: DenseMlpView, x: Tensor, kernels: Kernels = REFERENCE) -> Tensor:
+    """The dense SwiGLU MLP up to down_proj: silu(gate) * up [N, I]."""
     linear = kernels.linear
     if w.gate_up_proj is not None:
         gate, up = linear(x, w.gate_up_proj).chunk(2, dim=-1)
     else:
         gate, up = linear(x, w.gate_proj), linear(x, w.up_proj)
-    return linear(kernels.swiglu(gate, up), w.down_proj)
+    return kernels.swiglu(gate, up)

@@ -75,6 +75,7 @@ class Qwen36ScoringProgram:
             state_out=torch.zeros(1, dtype=torch.long, device=dev),
             fresh=torch.ones(1, dtype=torch.bool, device=dev),
             query_start_host=(0, n),
+            context_lens_host=(n,),
         )
         hidden = forward(
             self.view, self.variant, batch, self.store, logits="none", kernels=self.kernels

@@ -11,6 +11,7 @@ one copy and one replay.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,7 +43,8 @@ class PackedStep:
     values: torch.Tensor
     num_tokens: int
     num_rows: int
-    query_start: tuple[int, ...]
+    query_start_host: tuple[int, ...]  # host copies of two fields, for the prefill ops' launch sizes
+    context_lens_host: tuple[int, ...]
 
     @property
     def is_decode(self) -> bool:
@@ -107,11 +109,13 @@ class StepBuilder:
             fresh=zeros,
             sequence_index=zeros,
         )
-        return PackedStep(packed.values.to(device), b, b, packed.query_start)
+        return dataclasses.replace(packed, values=packed.values.to(device))
 
     def to_device(self, packed: PackedStep) -> PackedStep:
-        values = packed.values.to(self.device, non_blocking=True)
-        return PackedStep(values, packed.num_tokens, packed.num_rows, packed.query_start)
+        values = packed.values
+        if self.device.type == "cuda":  # a copy from pageable memory would first drain the GPU queue
+            values = values.pin_memory()
+        return dataclasses.replace(packed, values=values.to(self.device, non_blocking=True))
 
     def unpack(self, packed: PackedStep) -> StepBatch:
         """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync."""
@@ -126,7 +130,8 @@ class StepBuilder:
             state_in=f.state_in,
             state_out=f.state_out,
             fresh=f.fresh.bool(),
-            query_start_host=packed.query_start,
+            query_start_host=packed.query_start_host,
+            context_lens_host=packed.context_lens_host,
         )
 
 
@@ -148,4 +153,4 @@ def _packed(
         + sequence_index,
         dtype=torch.long,
     )  # fmt: skip
-    return PackedStep(values, len(tokens), len(state_in), tuple(query_start))
+    return PackedStep(values, len(tokens), len(state_in), tuple(query_start), tuple(context_lens))
