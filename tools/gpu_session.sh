@@ -38,11 +38,11 @@ for step in "$@"; do
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;
-    newops) timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_gemv_norm.py tests/ops/test_triton_moe_route_gemv.py ;;
+    newops) timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_route_gemv.py ;;
     bench35q) timeout 170 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
     bench27q) timeout 220 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
     resttests) timeout ${RESTTESTS_TIMEOUT:-200} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/ops/test_triton_moe_route_gemv.py tests/gpu -k "real_shapes or tiny_moe or demo" ;;
-    newbench) timeout 60 python3 -m tools.kernel_bench.gemv_norm; timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
+    newbench) timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;

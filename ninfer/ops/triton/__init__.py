@@ -14,8 +14,6 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
   and `sigmoid_gate` (the attention output gate read in place from the projection output).
 - skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).
-- gemv_norm: `linear_add_rms_norm`, that GEMV with the residual add and the next RMSNorm in its last
-  program (decode at B = 1): a measured candidate, not selected (slower than the two launches under PDL).
 - pdl: programmatic dependent launch, the prologue of every kernel here.
 
 Import the submodule you need; importing this package does not import triton.

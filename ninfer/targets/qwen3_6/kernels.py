@@ -502,8 +502,8 @@ def _fast_linear_add_rms_norm(
     act: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     """The projection, then the fused add + norm: two launches. The one-launch form for one row
-    (`ops.triton.gemv_norm`, the GEMV's last program doing the add and the norm) measured 0.3 ms slower
-    per 27B decode step than these two under programmatic dependent launch, so it is not selected."""
+    (the GEMV's last program doing the add and the norm; `ops/triton/gemv_norm.py` in commit 27fd6a4)
+    measured 0.3 ms slower per 27B decode step than these two under programmatic dependent launch."""
     from ninfer.ops.triton.norm import add_rms_norm
 
     return add_rms_norm(_fast_linear(act, w), residual, weight, eps)
