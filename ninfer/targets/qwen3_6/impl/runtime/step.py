@@ -75,11 +75,15 @@ class StepBuilder:
         slot_mapping: list[int] = []
         query_start = [0]
         for seq, row in zip(seqs, inputs):
-            for offset, token in enumerate(row):
-                pos = seq.frontier + offset
-                tokens.append(int(token))
-                positions.append(pos)
-                slot_mapping.append(seq.pages[pos // ps] * ps + pos % ps)
+            start, end = seq.frontier, seq.frontier + len(row)
+            tokens.extend(map(int, row))
+            positions.extend(range(start, end))
+            # KV slots page by page: a run of consecutive slots per page (an 8192-token prompt is 128 runs,
+            # not 8192 divisions)
+            for page in range(start // ps, (end - 1) // ps + 1):
+                first, stop = max(start, page * ps), min(end, (page + 1) * ps)
+                offset = seq.pages[page] * ps - page * ps  # slot of position p on this page: offset + p
+                slot_mapping.extend(range(offset + first, offset + stop))
             query_start.append(len(tokens))
         return _packed(
             tokens,
