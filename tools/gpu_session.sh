@@ -42,6 +42,7 @@ for step in "$@"; do
     bench35q) timeout 170 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
     bench27q) timeout 220 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
     resttests) timeout ${RESTTESTS_TIMEOUT:-200} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/ops/test_triton_moe_route_gemv.py tests/gpu -k "real_shapes or tiny_moe or demo" ;;
+    pdloff8) NINFER_PDL=0 timeout 200 $BENCH --synthetic qwen3_6_27b --batch 8 --decode-steps 32 --prefill-repeats 1 > "$OUT/pdloff8.json" ;;
     newbench) timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \

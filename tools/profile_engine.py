@@ -8,6 +8,11 @@ from an EngineCore observer (which runs on the worker thread before each unit), 
 functions by own time and by cumulative time, per decode round. The device time of the step is the
 replay time `tools.profile_step` reports; what this shows is the host work around it. On Python 3.12
 cProfile records every thread, so the main thread's polling (`time.sleep`) appears in the totals too.
+
+Then, on CUDA, ``--trace`` more rounds under the torch profiler (host and device timelines): how long the
+host spends inside each graph launch (`cudaGraphLaunch`), how long after the launch call began the
+graph's first kernel starts, and how long the GPU sits idle between two rounds (the gaps between
+kernels longer than ``IDLE_GAP_US``).
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ import torch
 from ninfer.bench.startup import start_synthetic
 from ninfer.types import EngineConfig, GenerationRequest
 
+IDLE_GAP_US = 20.0  # a gap between two kernels longer than this is the GPU waiting for the host
+
 
 class DecodeProfiler:
-    """Observer: times every decode round of ``rows`` rows, and profiles rounds skip..skip+steps."""
+    """Observer: times every decode round of ``rows`` rows, profiles rounds skip..skip+steps (cProfile),
+    then traces the next ``trace`` rounds (torch profiler, host and device)."""
 
-    def __init__(self, rows: int, skip: int, steps: int) -> None:
-        self.rows, self.skip, self.steps = rows, skip, steps
+    def __init__(self, rows: int, skip: int, steps: int, trace: int = 0) -> None:
+        self.rows, self.skip, self.steps, self.trace = rows, skip, steps, trace
         self.marks: list[float] = []
         self.profile = cProfile.Profile()
         self.profiled_marks: list[float] = []
+        self.tracer: torch.profiler.profile | None = None
+        self.traced = False
 
     def __call__(self, core: object, unit: object) -> None:
         if unit.kind.value != "decode" or len(unit.members) != self.rows:  # type: ignore[attr-defined]
@@ -46,6 +56,44 @@ class DecodeProfiler:
             self.profiled_marks.append(now)
         if seen == self.skip + self.steps:
             self.profile.disable()
+        if self.trace and seen == self.skip + self.steps + 1:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.tracer = torch.profiler.profile(activities=activities)
+            self.tracer.__enter__()
+        if self.tracer is not None and not self.traced and seen == self.skip + self.steps + 1 + self.trace:
+            torch.cuda.synchronize()
+            self.tracer.__exit__(None, None, None)
+            self.traced = True
+
+
+def timeline_summary(tracer: torch.profiler.profile) -> dict[str, float]:
+    """Medians over the traced rounds: host time inside `cudaGraphLaunch`, launch call to the first kernel
+    after it, and the GPU's idle gaps (between kernels, longer than IDLE_GAP_US), all in microseconds."""
+    launches, kernels = [], []
+    for event in tracer.events():
+        span = (event.time_range.start, event.time_range.end)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append(span)
+        elif event.name == "cudaGraphLaunch":
+            launches.append(span)
+    kernels.sort()
+    if not launches or not kernels:
+        return {}
+    starts = [start for start, _ in kernels]
+    first_kernel = []
+    for start, _ in launches:
+        later = [s for s in starts if s >= start]
+        if later:
+            first_kernel.append(later[0] - start)
+    gaps = [b[0] - a[1] for a, b in zip(kernels, kernels[1:]) if b[0] - a[1] > IDLE_GAP_US]
+    return {
+        "rounds": float(len(launches)),
+        "launch_host_us": statistics.median(end - start for start, end in launches),
+        "launch_to_first_kernel_us": statistics.median(first_kernel) if first_kernel else float("nan"),
+        "idle_gaps_per_round": len(gaps) / len(launches),
+        "idle_us_per_round": sum(gaps) / len(launches),
+        "longest_gap_us": max(gaps, default=0.0),
+    }
 
 
 def main() -> None:
@@ -55,13 +103,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--trace", type=int, default=16, help="rounds traced on CUDA (0: none)")
     args = parser.parse_args()
     skip = args.steps  # unprofiled rounds first: the baseline interval
     config = EngineConfig(
         max_concurrency=args.batch,
         queue_capacity=args.batch,
         queue_timeout_s=None,
-        max_context=args.context + 3 * args.steps + 8,
+        max_context=args.context + 3 * args.steps + args.trace + 8,
         device="auto",
         cuda_graphs=True,
         kernels=args.kernels,  # type: ignore[arg-type]
@@ -69,7 +118,8 @@ def main() -> None:
     )
     started = start_synthetic(args.package, config, seed=0)
     engine = started.engine
-    profiler = DecodeProfiler(args.batch, skip, args.steps)
+    trace = args.trace if torch.cuda.is_available() else 0
+    profiler = DecodeProfiler(args.batch, skip, args.steps, trace)
     engine.core.observer = profiler
     try:
         gen = torch.Generator().manual_seed(0)
@@ -77,7 +127,7 @@ def main() -> None:
         for _ in range(args.batch):
             prompt = torch.randint(100, 8000, (args.context,), generator=gen).tolist()  # ordinary ids
             request = GenerationRequest(
-                prompt=prompt, max_tokens=3 * args.steps + 4, temperature=0.0, ignore_eos=True
+                prompt=prompt, max_tokens=3 * args.steps + trace + 4, temperature=0.0, ignore_eos=True
             )
             handles.append(engine.submit(request))
         while not all(h.done for h in handles):
@@ -98,6 +148,11 @@ def main() -> None:
         stats = pstats.Stats(profiler.profile, stream=out)
         stats.sort_stats(order).print_stats(28)
         print(f"---- by {order} (totals over {args.steps} rounds)\n{out.getvalue()}", flush=True)
+    if profiler.tracer is not None and profiler.traced:
+        summary = timeline_summary(profiler.tracer)
+        print(f"---- device timeline over {trace} traced rounds (medians, us)", flush=True)
+        for name, value in summary.items():
+            print(f"   {name:28s} {value:10.1f}", flush=True)
 
 
 if __name__ == "__main__":
