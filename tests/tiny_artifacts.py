@@ -11,13 +11,13 @@ import functools
 from pathlib import Path
 
 import torch
+from ninfer_tools.synthetic_artifact import frontend_resources
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
 from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
-from tools.synthetic_artifact import frontend_resources
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEED = 20261129

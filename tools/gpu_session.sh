@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
-# and a one-line status to stdout. Steps: see the case below (tests, fasttests, attn, fla, moe, moesweep,
-# small, bench35/27[full], profile35/27, start27: a synthetic full-size 27B artifact loaded by bench).
+# and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests, attn, gemm, fla, moe,
+# small, routegemv, the sweeps, bench35/27[full], profile35/27, prefilldetail, engine27/35, pdlprofile,
+# pdloff8, chunk8k, start27: a synthetic full-size 27B artifact loaded by bench).
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
@@ -23,14 +24,13 @@ for step in "$@"; do
     small) timeout 200 python3 -m tools.kernel_bench.small_ops ;;
     attn) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_attention_prologue.py && timeout 120 python3 -m tools.kernel_bench.attention_prologue ;;
     moesweep) timeout 200 python3 -m tools.kernel_bench.fused_moe --sweep ;;
-    bench35) timeout 400 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
-    bench27) timeout 500 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
+    bench35) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
+    bench27) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
     bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
     bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27.json" ;;
     profile35) timeout 300 python3 -m tools.profile_step qwen3_6_35b_a3b ;;
     profile27) timeout 300 python3 -m tools.profile_step qwen3_6_27b ;;
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
-    verify) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs -s tests/artifact/test_loader.py tests/targets/test_binder_layout.py tests/ops/test_triton_paged_decode.py "tests/ops/test_triton_fused_moe.py::test_fused_moe_cuda_graph_replays_new_routing" ;;
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
@@ -38,19 +38,13 @@ for step in "$@"; do
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;
-    newops) timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_route_gemv.py ;;
-    bench35q) timeout 170 $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
-    bench27q) timeout 220 $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
-    resttests) timeout ${RESTTESTS_TIMEOUT:-200} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/ops/test_triton_moe_route_gemv.py tests/gpu -k "real_shapes or tiny_moe or demo" ;;
     pdloff8) NINFER_PDL=0 timeout 200 $BENCH --synthetic qwen3_6_27b --batch 8 --decode-steps 32 --prefill-repeats 1 > "$OUT/pdloff8.json" ;;
-    newbench) timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
+    routegemv) timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
-    pdltests) NINFER_PDL=1 timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu tests/ops/test_triton_norm.py tests/ops/test_triton_skinny_gemm.py ;;
     pdlprofile) for p in 0 1; do NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 256; NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1 --prefill 256; done ;;
     chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27.json" ;;
-    fasttests) timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -rs -s tests/ops/test_triton_fused_moe.py tests/ops/test_triton_activation.py tests/ops/test_triton_gdn_decode.py tests/gpu/test_fast_path.py tests/artifact/test_loader.py tests/targets/test_binder_layout.py ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?

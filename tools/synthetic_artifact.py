@@ -70,7 +70,6 @@ class WriteReport:
     storage: str
     device: str
     tensors: int
-    tensor_bytes: int
     file_bytes: int
     seconds: float
     produce_s: float
@@ -330,7 +329,6 @@ def write_synthetic_artifact(
         storage=storage,
         device=torch_device.type,
         tensors=len(specs),
-        tensor_bytes=total,
         file_bytes=target.stat().st_size,
         seconds=time.perf_counter() - started,
         produce_s=produce_s,

@@ -98,15 +98,6 @@ def _prefill_tokens(args: argparse.Namespace, max_positions: int) -> int:
     return max(1, min(DEFAULT_PREFILL_TOKENS, cap))
 
 
-def _default_chunk(device: str, kernels: str) -> int:
-    """The Engine's own prefill unit for this device and op table (the plan needs it before the start)."""
-    from ninfer.targets.open import resolve_device
-    from ninfer.targets.qwen3_6.kernels import kernels_name
-    from ninfer.types import default_prefill_chunk
-
-    return default_prefill_chunk(kernels_name(resolve_device(device), kernels))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.bench.report import render_table
     from ninfer.bench.runner import BenchOptions, run_bench
     from ninfer.bench.startup import artifact_package
+    from ninfer.targets.open import prefill_unit, resolve_device
     from ninfer.targets.registry import PackageMismatch, get_package
     from ninfer.types import NInferError
 
@@ -133,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps,
             prefill_tokens=_prefill_tokens(args, package.variant.max_position_embeddings),
             prefill_repeats=args.prefill_repeats,
-            prefill_chunk=args.prefill_chunk or _default_chunk(args.device, args.kernels),
+            # the Engine's own unit unless given: the plan needs it before the Engine starts
+            prefill_chunk=prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels),
         )
         options = BenchOptions(
             plan=plan,

@@ -278,17 +278,14 @@ class SamplingBatch:
     all_greedy: bool = False
 
     @staticmethod
-    def _host_tensors(
-        params: Sequence[SamplingParams], seeds: Sequence[int], validated: bool = False
-    ) -> dict[str, torch.Tensor]:
+    def _host_tensors(params: Sequence[SamplingParams], seeds: Sequence[int]) -> dict[str, torch.Tensor]:
         if len(params) != len(seeds):
             raise ValueError(f"got {len(params)} SamplingParams but {len(seeds)} seeds")
-        if not validated:
-            for p in params:
-                p.validate()
-            for s in seeds:
-                if not _is_int(s):
-                    raise ValueError(f"seed must be an integer, got {s!r}")
+        for p in params:
+            p.validate()
+        for s in seeds:
+            if not _is_int(s):
+                raise ValueError(f"seed must be an integer, got {s!r}")
         f32 = torch.float32
         return {
             "temperature": torch.tensor([p.temperature for p in params], dtype=f32),
@@ -309,17 +306,11 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        device: torch.device | str,
-        *,
-        validated: bool = False,
+        cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str
     ) -> SamplingBatch:
         """Validate `params` and place them on `device`; `seeds[i]` is row i's effective seed (the
-        Program derives one for requests without `seed`). ``validated``: the caller checked every
-        params and seed once already (the Program does at materialization), so a step skips it."""
-        host = cls._host_tensors(params, seeds, validated)
+        Program derives one for requests without `seed`)."""
+        host = cls._host_tensors(params, seeds)
         candidates, all_greedy = cls._static_facts(params)
         tensors = {name: t.to(device) for name, t in host.items()}
         return cls(**tensors, candidates=candidates, all_greedy=all_greedy)

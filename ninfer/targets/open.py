@@ -30,6 +30,12 @@ class OpenedTarget:
     load_report: Any = None  # artifact.loader.LoadReport: bytes, seconds and GB/s of the weight load
 
 
+def prefill_unit(requested: int | None, device: torch.device, kernels: str) -> int:
+    """Prompt tokens per prefill unit: ``requested``, or the default of the op table ``kernels`` selects
+    on ``device`` (what the Engine resolves from the Program it is given)."""
+    return requested or default_prefill_chunk(kernels_name(device, kernels))
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +162,7 @@ def _check_state_memory(
     need = state_bytes(variant, 2 * config.max_concurrency, num_pages, config.page_size, dtype)
     free, _ = torch.cuda.mem_get_info(device)
     # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit
-    chunk = config.prefill_chunk_tokens or default_prefill_chunk(kernels_name(device, config.kernels))
+    chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
     headroom = 2 * 2**30 * max(1, -(-chunk // 2048))
     if need + headroom > free:
         gib = 2**30

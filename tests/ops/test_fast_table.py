@@ -15,7 +15,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 from ninfer.targets.qwen3_6.view import MoeMlpView, stacked_rows
 
@@ -29,10 +29,6 @@ def test_interpreter_suite_in_a_fresh_process() -> None:
 @pytest.fixture(scope="module")
 def table() -> ModuleType:
     return interpreted_kernels("ninfer.targets.qwen3_6.kernels")
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def _moe_view(gen: torch.Generator, experts: int, inter: int, hidden: int, shared: int) -> MoeMlpView:
@@ -65,7 +61,7 @@ def test_moe_block_matches_the_reference_block(table: ModuleType, tokens: int, s
         want = table.REFERENCE.moe_block(v, variant, x, decode)
         got = table._fast_moe_block(v, variant, x, decode)
         assert not got.isnan().any()
-        assert _rel(got, want) < 1e-5, (tokens, shared_width, v.input_proj is not None)
+        assert max_rel_error(got, want) < 1e-5, (tokens, shared_width, v.input_proj is not None)
 
 
 def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: ModuleType) -> None:
@@ -76,10 +72,8 @@ def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: Modul
     x = torch.randn(3, 24, generator=gen)
     swapped_stack = torch.cat([view.router, view.shared_up_proj, view.shared_gate_proj])
     swapped = replace(view, input_proj=swapped_stack)
-    assert (
-        _rel(table._fast_moe_block(swapped, variant, x, True), table._fast_moe_block(view, variant, x, True))
-        > 1e-3
-    )
+    got = table._fast_moe_block(swapped, variant, x, True)
+    assert max_rel_error(got, table._fast_moe_block(view, variant, x, True)) > 1e-3
 
 
 def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: ModuleType) -> None:

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 from ninfer.ops.attention import gated_attention_output, kv_write, split_q_gate
 from ninfer.ops.norm import rms_norm
@@ -288,10 +288,6 @@ VARIANTS = {"27b": (24, 4), "35b-a3b": (16, 2)}  # (attention heads, kv heads); 
 D, ROTARY, PAGE_SIZE, BF16_BOUND = 256, 64, 16, 1e-2
 
 
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-
-
 def _gpu_case(n: int, nh: int, nkv: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     num_pages = 2 * n + 3
@@ -334,8 +330,8 @@ def test_attention_prologue_cuda_real_shapes(n: int, variant: str) -> None:
 
     slots = x["slots"].long()
     assert not q.isnan().any()
-    assert _max_rel_error(q, q_ref) < BF16_BOUND
-    assert _max_rel_error(_flat(k_pages)[slots], k_ref) < BF16_BOUND
+    assert max_rel_error(q, q_ref) < BF16_BOUND
+    assert max_rel_error(_flat(k_pages)[slots], k_ref) < BF16_BOUND
     assert not _flat(k_pages)[slots].isnan().any()
     # the same rounding steps as the reference: all but a few elements bit-equal (FMA contraction and
     # the reduction order of 1/rms can flip a rare last bf16 bit)
@@ -350,7 +346,7 @@ def test_attention_prologue_cuda_real_shapes(n: int, variant: str) -> None:
     sigmoid_gate(x["o"], x["qkv"], num_heads=nh, head_dim=D, out=gated)
     want = gated_attention_output(x["o"], gate_ref)
     assert not gated.isnan().any()
-    assert _max_rel_error(gated, want) < BF16_BOUND
+    assert max_rel_error(gated, want) < BF16_BOUND
     assert (gated != want).float().mean().item() < 0.02
 
 
@@ -400,7 +396,7 @@ def test_attention_prologue_cuda_graph_replay(variant: str) -> None:
     )
     slots = fresh["slots"].long()
     assert not q_out.isnan().any() and not gated.isnan().any()
-    assert _max_rel_error(q_out, q_ref) < BF16_BOUND
-    assert _max_rel_error(_flat(k_pages)[slots], k_ref) < BF16_BOUND
+    assert max_rel_error(q_out, q_ref) < BF16_BOUND
+    assert max_rel_error(_flat(k_pages)[slots], k_ref) < BF16_BOUND
     assert torch.equal(_flat(v_pages)[slots], v_ref)
-    assert _max_rel_error(gated, gated_attention_output(fresh["o"], gate_ref)) < BF16_BOUND
+    assert max_rel_error(gated, gated_attention_output(fresh["o"], gate_ref)) < BF16_BOUND

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 from ninfer.ops.conv import causal_conv1d_update
 
@@ -53,10 +53,6 @@ def _inputs(
     pool = torch.randn(slots, channels, kernel - 1, generator=gen).to(dtype)
     weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype)
     return x.to(device), pool.to(device), weight.to(device)
-
-
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("block_c", [16, 64], ids=["channel-blocks", "one-block"])
@@ -161,7 +157,7 @@ def test_conv_update_cuda_real_shapes(batch: int, channels: int) -> None:
     y = causal_conv1d_update_slots(x, pool, weight, state_in, state_out, fresh, out=out)
 
     assert not y.isnan().any()
-    assert _max_rel_error(y, y_ref) < 1e-2
+    assert max_rel_error(y, y_ref) < 1e-2
     mismatches = (y != y_ref).sum().item()  # same roundings: only fp32 sum-order noise may flip a bit
     assert mismatches <= y.numel() // 100, f"{mismatches} of {y.numel()} differ"
     assert torch.equal(pool, pool_ref), "written windows must be exact copies; other slots unchanged"

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 from ninfer.ops.mlp import swiglu_mlp
 from ninfer.ops.moe import moe_experts, moe_experts_fp32, moe_route_logits
@@ -50,11 +50,6 @@ def _experts(
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     down = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
     return gate_up, down
-
-
-def _max_rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |got - expected| over max |expected| (elementwise ratios blow up near zero)."""
-    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def _expected_layout(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
@@ -541,7 +536,7 @@ def test_fused_moe_cuda_real_shapes_bf16(
     got = fused_moe(x, gate_up, down, weights, ids, out=out, config=config)
 
     assert not got.isnan().any()
-    assert _max_rel_err(got, expected) < 1e-2
+    assert max_rel_error(got, expected) < 1e-2
     again = fused_moe(x, gate_up, down, weights, ids, out=torch.full_like(x, float("nan")), config=config)
     assert torch.equal(again, got), "not deterministic"
 
@@ -575,7 +570,7 @@ def test_fused_moe_cuda_decode_tile_choices(
     got = fused_moe(x, gate_up, down, weights, ids, out=torch.full_like(x, float("nan")), config=config)
 
     assert not got.isnan().any()
-    assert _max_rel_err(got, expected) < 1e-2
+    assert max_rel_error(got, expected) < 1e-2
 
 
 @pytest.mark.gpu
@@ -595,7 +590,7 @@ def test_fused_moe_cuda_every_config_tier(real_experts: tuple[torch.Tensor, torc
     )
 
     assert not got.isnan().any()
-    assert _max_rel_err(got, expected) < 1e-2
+    assert max_rel_error(got, expected) < 1e-2
 
 
 @pytest.mark.gpu
@@ -624,7 +619,7 @@ def test_fused_moe_cuda_odd_shapes(tokens: int, dtype: torch.dtype) -> None:
     got = fused_moe(x, gate_up, down, weights, ids, out=out)
 
     assert not got.isnan().any()
-    assert _max_rel_err(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert max_rel_error(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.gpu
@@ -660,7 +655,7 @@ def test_fused_moe_cuda_graph_replays_new_routing(
         graph.replay()
         torch.cuda.synchronize()
         assert not out.isnan().any()
-        assert _max_rel_err(out, moe_experts(new_x, new_weights, new_ids, gate_up, down)) < 1e-2
+        assert max_rel_error(out, moe_experts(new_x, new_weights, new_ids, gate_up, down)) < 1e-2
 
 
 # ---- GPU, shared expert --------------------------------------------------------------------------------
@@ -718,9 +713,9 @@ def test_fused_moe_cuda_shared_expert_real_shapes(
     expected = _real_block_reference(
         x, weights, ids, gate_up, down, shared_gate_up, shared_down, shared_weight
     )
-    assert _max_rel_err(got, expected) < 1e-2
+    assert max_rel_error(got, expected) < 1e-2
     routed_only = moe_experts(x, weights, ids, gate_up, down)
-    assert _max_rel_err(routed_only, expected) > 2e-2, "the shared term is too small to test"
+    assert max_rel_error(routed_only, expected) > 2e-2, "the shared term is too small to test"
     again = fused_moe(x, gate_up, down, weights, ids, shared=shared, config=config)
     assert torch.equal(again, got), "not deterministic"
 
@@ -755,7 +750,7 @@ def test_fused_moe_cuda_shared_expert_odd_shapes(tokens: int, dtype: torch.dtype
     got = fused_moe(x, gate_up, down, weights, ids, shared=shared, out=torch.full_like(x, float("nan")))
 
     assert not got.isnan().any()
-    assert _max_rel_err(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert max_rel_error(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.gpu
@@ -813,4 +808,4 @@ def test_routing_and_fused_moe_with_shared_expert_cuda_graph(
         expected = _real_block_reference(
             new_x, ref_weights, ref_ids, gate_up, down, shared_gate_up, shared_down, shared_weight
         )
-        assert _max_rel_err(out, expected) < 1e-2
+        assert max_rel_error(out, expected) < 1e-2

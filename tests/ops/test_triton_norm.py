@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 from ninfer.ops import norm as reference
 
@@ -32,16 +32,12 @@ def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tenso
     return torch.randn(*shape, generator=gen) * scale
 
 
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
 def _assert_same_roundings(got: torch.Tensor, want: torch.Tensor) -> None:
     """fp16 results: a missing or extra rounding step flips about a quarter of the elements by one ulp;
     the fp32 summation order may flip a rare one, so allow 1% (and only small differences)."""
     mismatches = (got != want).sum().item()
     assert mismatches <= want.numel() // 100, f"{mismatches} of {want.numel()} differ"
-    assert _max_rel_error(got, want) < 2e-3
+    assert max_rel_error(got, want) < 2e-3
 
 
 @pytest.mark.parametrize(
@@ -199,7 +195,7 @@ def _assert_close_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
     """Within the bf16 bound, and bit-identical almost everywhere: the kernels round at the same steps
     as the reference, so only fp32 reduction-order noise may flip an element's last bf16 bit."""
     assert not got.isnan().any()
-    assert _max_rel_error(got, want) < BF16_BOUND
+    assert max_rel_error(got, want) < BF16_BOUND
     mismatches = (got != want).sum().item()
     assert mismatches <= want.numel() // 100, f"{mismatches} of {want.numel()} differ"
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import interpreted_kernels, run_interpreter_child
+from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
 if TYPE_CHECKING:
     from ninfer.ops.triton.skinny_gemm import SkinnyConfig
@@ -28,10 +28,6 @@ def test_interpreter_suite_in_a_fresh_process() -> None:
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
     return interpreted_kernels("ninfer.ops.triton.skinny_gemm")
-
-
-def _max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 # (block_n, block_k, split_k, use_dot, unroll): none of the blocks divides N in {5, 33} or K = 40
@@ -170,7 +166,7 @@ def _check_bf16(
     skinny_linear(x, w, out=out, config=config)
 
     assert not out.isnan().any()
-    error = _max_rel_error(out, want)
+    error = max_rel_error(out, want)
     assert error <= BF16_BOUND, f"M={rows} N={n} K={k} {config}: max rel error {error:.2e}"
 
 
@@ -226,7 +222,7 @@ def test_skinny_linear_cuda_other_dtypes(dtype: torch.dtype, use_dot: bool) -> N
     got = skinny_linear(x, w, config=config)
     assert got.dtype == dtype and not got.isnan().any()
     bound = 1e-4 if dtype == torch.float32 else 2e-3
-    assert _max_rel_error(got, F.linear(x.double(), w.double())) <= bound
+    assert max_rel_error(got, F.linear(x.double(), w.double())) <= bound
 
 
 @pytest.mark.gpu
@@ -255,7 +251,7 @@ def test_skinny_linear_cuda_graph_replay_is_deterministic(rows: int) -> None:
     out.fill_(float("nan"))
     graph.replay()
     first = out.clone()
-    assert _max_rel_error(first, F.linear(x.float(), w.float())) <= BF16_BOUND
+    assert max_rel_error(first, F.linear(x.float(), w.float())) <= BF16_BOUND
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, first), "split-K must reduce in a fixed order"

@@ -14,8 +14,14 @@ import sys
 from types import ModuleType
 
 import pytest
+import torch
 
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want| (elementwise ratios blow up near zero), in fp32."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
 def run_interpreter_child(test_file: str) -> None:

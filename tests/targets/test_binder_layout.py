@@ -14,12 +14,11 @@ import torch
 
 from ninfer.artifact import Artifact
 from ninfer.targets.qwen3_6.binder import (
-    _random_tensor,
-    _tensor_seed,
     allocate_text_weights,
     load_model,
     load_model_view,
     random_model_view,
+    random_weight,
 )
 from ninfer.targets.qwen3_6.view import ModelView, place_tensor, stacked_rows
 from ninfer.targets.qwen3_6.weights import fused_row_groups, weight_schema
@@ -120,10 +119,7 @@ def test_random_view_stacks_groups_with_per_tensor_values(package_name: str, dty
     _assert_stacked(view)
     generator = torch.Generator()
     for spec in weight_schema(variant):  # values depend only on (seed, name): regenerate one by one
-        generator.manual_seed(_tensor_seed(11, spec.name))
-        expected = place_tensor(
-            _random_tensor(spec, variant, generator, torch.device("cpu")), spec, "cpu", dtype
-        )
+        expected = place_tensor(random_weight(spec, variant, 11, generator), spec, "cpu", dtype)
         assert view.tensors[spec.name].dtype == expected.dtype, spec.name
         assert torch.equal(view.tensors[spec.name], expected), spec.name
 
@@ -202,8 +198,5 @@ def test_cuda_random_view_stacks_groups_with_per_tensor_values(dtype: torch.dtyp
     _assert_stacked(view)
     generator = torch.Generator(device="cuda")
     for spec in weight_schema(variant):
-        generator.manual_seed(_tensor_seed(3, spec.name))
-        expected = place_tensor(
-            _random_tensor(spec, variant, generator, torch.device("cuda")), spec, "cuda", dtype
-        )
+        expected = place_tensor(random_weight(spec, variant, 3, generator), spec, "cuda", dtype)
         assert torch.equal(view.tensors[spec.name], expected), spec.name

@@ -110,16 +110,12 @@ class _Case:
         return error if torch.equal(ids, ref_ids) else 1.0
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, w)
-
-
 def bench(tokens: int, config: RouteGemvConfig | None) -> list[dict[str, object]]:
     case = _Case.make(tokens)
     error = case.error(config)
     fused_us = time_us(graphed(case.fused(config)))
     rows = []
-    for label, gemv in (("skinny+topk", _skinny), ("cublas+topk", F.linear)):
+    for label, gemv in (("skinny+topk", skinny_linear), ("cublas+topk", F.linear)):
         ref_us = time_us(graphed(case.two_launch(gemv)))
         row = timing_row(
             "moe_route_gemv", f"T{tokens}", (tokens, EXPERTS, HIDDEN), case.nbytes, fused_us, ref_us, error,

@@ -75,6 +75,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ninfer.ops.mlp import swiglu
 from ninfer.ops.triton import pdl
 
 __all__ = [
@@ -832,8 +833,7 @@ def _shared_expert_out(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
     projections, the SiLU product, the output): one GEMM for gate and up, one for down."""
     inter = shared.down.shape[1]
     projected = F.linear(x, shared.gate_up.to(x.dtype))
-    hidden = (F.silu(projected[:, :inter].float()) * projected[:, inter:].float()).to(x.dtype)
-    return F.linear(hidden, shared.down.to(x.dtype))
+    return F.linear(swiglu(projected[:, :inter], projected[:, inter:]), shared.down.to(x.dtype))
 
 
 def _fused_moe_sorted(

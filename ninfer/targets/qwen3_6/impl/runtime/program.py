@@ -200,7 +200,7 @@ class Qwen36Program:
         if len(request.prompt_token_ids) < 1:
             return Infeasible("the prompt is empty; give at least one token")
         try:
-            _sampler_params(request.sampling).validate()  # once per request, not on every step
+            _sampler_params(request.sampling).validate()  # refused here, before any resource is taken
         except ValueError as e:
             return Infeasible(f"invalid sampling: {e}")
         if self._free_index() is None or need.slots > self._slots.free_count:
@@ -245,7 +245,7 @@ class Qwen36Program:
         self._check_txn(txn)
         request, index, slots, pages = txn.sealed
         sampling = request.sampling  # the contract's value has exactly the sampler's fields
-        ops_params = _sampler_params(sampling)  # checked in plan_materialization: steps skip it
+        ops_params = _sampler_params(sampling)  # checked in plan_materialization
         self._generations[index] += 1
         handle = SequenceHandle(owner=self.owner, index=index, generation=self._generations[index])
         self._sequences[index] = SequenceState(
@@ -460,7 +460,7 @@ class Qwen36Program:
         key = tuple(s.handle for s in seqs)
         if self._sampling_rows != key:
             params, seeds = [s.sampling for s in seqs], [s.seed for s in seqs]
-            self._sampling = SamplingBatch.build(params, seeds, self.config.device, validated=True)
+            self._sampling = SamplingBatch.build(params, seeds, self.config.device)
             self._sampling_rows = key
         assert self._sampling is not None
         return self._sampling
