@@ -9,10 +9,15 @@ functions by own time and by cumulative time, per decode round. The device time 
 replay time `tools.profile_step` reports; what this shows is the host work around it. On Python 3.12
 cProfile records every thread, so the main thread's polling (`time.sleep`) appears in the totals too.
 
-Then, on CUDA, ``--trace`` more rounds under the torch profiler (host and device timelines): how long the
-host spends inside each graph launch (`cudaGraphLaunch`), how long after the launch call began the
-graph's first kernel starts, and how long the GPU sits idle between two rounds (the gaps between
-kernels longer than ``IDLE_GAP_US``).
+On CUDA, every decode round of B rows is also timed with CUDA events around the graph replay (no
+profiler attached, so the figures are undistorted): the device time from just before the launch call to
+the graph's end (launch latency + graph), the device time from one graph's end to the next launch (the
+sampler's kernels, the token read-back, the Engine's and the Program's host work: the GPU idles), and
+the host time inside the replay call; after the Engine closes, the same graph replays back to back,
+which is the graph's own time. Then ``--trace`` more rounds under the torch profiler (host and device
+timelines): how long the host spends inside each graph launch (`cudaGraphLaunch`), how long after
+the launch call began the graph's first kernel starts, and how long the GPU sits idle between two
+rounds (the gaps between kernels longer than ``IDLE_GAP_US``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,48 @@ class DecodeProfiler:
             torch.cuda.synchronize()
             self.tracer.__exit__(None, None, None)
             self.traced = True
+
+
+class ReplayTimer:
+    """Wraps the B-row decode graph's `replay` with CUDA events and host stamps (median per round)."""
+
+    def __init__(self, engine: object, rows: int) -> None:
+        graphs = engine.core._program._graphs  # type: ignore[attr-defined]
+        self.graph = graphs._graphs[rows].graph
+        self.original = self.graph.replay
+        self.rounds: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+        self.graph.replay = self.replay
+
+    def replay(self) -> None:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        t0 = time.perf_counter()
+        self.original()
+        host = time.perf_counter() - t0
+        after.record()
+        self.rounds.append((before, after, host))
+
+    def summary(self, skip: int) -> dict[str, float]:
+        torch.cuda.synchronize()
+        rounds = self.rounds[skip:]
+        launch_and_graph = [b.elapsed_time(a) * 1e3 for b, a, _ in rounds]
+        between = [p[1].elapsed_time(n[0]) * 1e3 for p, n in zip(rounds, rounds[1:])]
+        host = [h * 1e6 for _, _, h in rounds]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            self.original()
+        start.record()
+        for _ in range(20):
+            self.original()
+        end.record()
+        torch.cuda.synchronize()
+        return {
+            "rounds": float(len(rounds)),
+            "graph_back_to_back_us": start.elapsed_time(end) * 1e3 / 20,
+            "before_launch_to_graph_end_us": statistics.median(launch_and_graph),
+            "graph_end_to_next_launch_us": statistics.median(between),
+            "replay_call_host_us": statistics.median(host),
+        }
 
 
 def timeline_summary(tracer: torch.profiler.profile) -> dict[str, float]:
@@ -121,6 +168,7 @@ def main() -> None:
     trace = args.trace if torch.cuda.is_available() else 0
     profiler = DecodeProfiler(args.batch, skip, args.steps, trace)
     engine.core.observer = profiler
+    timer = ReplayTimer(engine, args.batch) if torch.cuda.is_available() else None
     try:
         gen = torch.Generator().manual_seed(0)
         handles = []
@@ -148,6 +196,11 @@ def main() -> None:
         stats = pstats.Stats(profiler.profile, stream=out)
         stats.sort_stats(order).print_stats(28)
         print(f"---- by {order} (totals over {args.steps} rounds)\n{out.getvalue()}", flush=True)
+    if timer is not None:
+        print("---- decode rounds timed with CUDA events (medians, us; from the first unprofiled rounds)")
+        timer.rounds = timer.rounds[: skip - 1]  # the rounds before cProfile and the tracer attach
+        for name, value in timer.summary(skip=2).items():
+            print(f"   {name:32s} {value:10.1f}", flush=True)
     if profiler.tracer is not None and profiler.traced:
         summary = timeline_summary(profiler.tracer)
         print(f"---- device timeline over {trace} traced rounds (medians, us)", flush=True)

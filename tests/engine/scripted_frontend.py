@@ -78,9 +78,15 @@ class OutputSession:
         self.committed: list[OutputDelta] = []
         self.forced_tokens = 0  # committed tokens that came as forced control
         self.finished = False
+        self._latest: OutputPreview | None = None
 
     @property
     def awaiting_force(self) -> bool:
+        """As of the latest preview: the Engine decides the next unit from it and commits the session
+        only while that unit runs (EngineCore._publish_committed)."""
+        latest = self._latest
+        if latest is not None and latest.base is self.state:  # previewed, commit still to come
+            return latest.after.awaiting_force
         return self.state.awaiting_force
 
     def _held_back(self, content: str) -> int:
@@ -152,7 +158,8 @@ class OutputSession:
         delta = OutputDelta(
             text=content[s.emitted : after.emitted], reasoning_text=reasoning, token_ids=ids[:accepted]
         )
-        return OutputPreview(accepted, stop, delta, force, s, after)
+        self._latest = OutputPreview(accepted, stop, delta, force, s, after)
+        return self._latest
 
     def commit(self, preview: OutputPreview) -> OutputDelta:
         if preview.base is not self.state:

@@ -138,6 +138,7 @@ class ScriptedProgram:
         self.on_decode: Callable[[Sequence[SequenceHandle]], None] | None = None
         self.on_execute: Callable[[str, Sequence[SequenceHandle]], None] | None = None
         self.on_release: Callable[[_Sequence], None] | None = None
+        self.call_while_running = True  # False: a Program that never calls decode's while_running
 
     # ---- static facts ----
     @property
@@ -318,7 +319,13 @@ class ScriptedProgram:
         self._open = batch
         return batch
 
-    def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
+    def decode(
+        self,
+        handles: Sequence[SequenceHandle],
+        budgets: Sequence[int],
+        *,
+        while_running: Callable[[], None] | None = None,
+    ) -> PendingBatch:
         self._enter("decode")
         self._no_open_batch()
         if not handles or len(handles) != len(budgets) or len(set(handles)) != len(handles):
@@ -334,6 +341,8 @@ class ScriptedProgram:
             rows.append(self._row(seq, self._sample(seq, seq.frontier, seq.last_token, n), seq.frontier))
         if self.on_execute is not None:
             self.on_execute("decode", handles)
+        if while_running is not None and self.call_while_running:
+            while_running()  # as the real Program: after the unit is queued, before its tokens exist
         self._open = PendingBatch(self.program_id, next(self._batch_ids), "decode", rows)
         return self._open
 

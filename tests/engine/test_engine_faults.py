@@ -106,8 +106,8 @@ def test_fault_in_abort_of_a_cancelled_materialization() -> None:
 class OverproducingProgram(ScriptedProgram):
     """Breaks the contract: decode produces one token more than the row's budget."""
 
-    def decode(self, handles: list[SequenceHandle], budgets: list[int]) -> PendingBatch:
-        batch = super().decode(handles, budgets)
+    def decode(self, handles: list[SequenceHandle], budgets: list[int], **kwargs: object) -> PendingBatch:
+        batch = super().decode(handles, budgets, **kwargs)  # type: ignore[arg-type]
         if budgets[0] == 1:
             row = batch.rows[0]
             object.__setattr__(row, "tokens", row.tokens + row.tokens)

@@ -127,6 +127,19 @@ def test_default_config_shapes(kernels: ModuleType) -> None:
             kernels.default_config(m, n, k).check()
 
 
+def test_tuned_configs_and_cublas_choice(kernels: ModuleType) -> None:
+    """Tuned entries are valid and are what `default_config` returns; 2..8 rows leave cuBLAS only for
+    the shapes tuned at 8 rows, one row always does."""
+    for (bucket, n, k), config in kernels._TUNED.items():
+        config.check()
+        for m in (1,) if bucket == 1 else (2, 5, 8):
+            assert kernels.default_config(m, n, k) == config
+    assert kernels.prefers_skinny(1, 5, 7)
+    assert kernels.prefers_skinny(3, 248320, 5120) and kernels.prefers_skinny(8, 5120, 17408)
+    assert not kernels.prefers_skinny(8, 14336, 5120), "attn_qkv at 8 rows measured slower than cuBLAS"
+    assert not kernels.prefers_skinny(9, 248320, 5120) and not kernels.prefers_skinny(0, 248320, 5120)
+
+
 # ---- GPU, real shapes ----------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -56,7 +56,7 @@ Rules every Program implementation must keep (each method's docstring repeats th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -495,11 +495,19 @@ class Program(Protocol):
         """
         ...
 
-    def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
+    def decode(
+        self,
+        handles: Sequence[SequenceHandle],
+        budgets: Sequence[int],
+        *,
+        while_running: Callable[[], None] | None = None,
+    ) -> PendingBatch:
         """Run one decode unit for exactly these rows (``B = len(handles)``, no padding).
 
         ``budgets[i] >= 1`` caps the tokens row ``i`` may produce (remaining max_new_tokens); an ordinary
         decode produces 1, a speculative backend up to ``min(K + 1, budget)``.
+        ``while_running`` (at most once): host work of the Engine's that touches no Program state, called
+        after the unit is queued on the device and before its tokens are read back, so the two overlap.
         """
         ...
 

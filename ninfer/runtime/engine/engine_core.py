@@ -17,6 +17,14 @@ One worker boundary, in this order (docs/engine.md, "Worker boundary"):
  7. run at most one model execution unit;
  8. commit model state, terminal resources, budget, then Frontend output state;
  9. publish response events.
+
+Steps 8-9 of an ordinary row (one that goes on generating) finish one boundary later, while the next
+decode unit is on the device: the Program calls back after launching it (``decode(while_running=...)``)
+and the worker commits the OutputSessions and publishes then, so that host work no longer leaves the
+GPU idle between two decode steps. Every order the specification fixes still holds: the Program commit
+and the budget precede the OutputSession commit, which precedes publication; a request's events keep
+their order (anything that completes a request publishes the deferred rows first, and a unit other than
+a decode publishes them before it runs). docs/engine.md, "Publication overlaps the next decode unit".
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from ninfer.runtime.contract.types import (
     Blocked,
     Infeasible,
     PendingBatch,
+    PendingRow,
     PrefillProgress,
     Program,
     RequestPlan,
@@ -93,6 +102,17 @@ class EngineSnapshot:
 StepObserver = Callable[["EngineCore", Unit], None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Unpublished:
+    """A committed row of a still-generating request whose OutputSession commit and publication wait
+    for the next decode unit to be launched."""
+
+    record: RequestRecord
+    preview: OutputPreviewLike
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+
+
 class EngineCore:
     """The Engine worker (see module docstring). Construct, then ``start_thread()`` or call ``step()``."""
 
@@ -134,6 +154,7 @@ class EngineCore:
         self._live: dict[int, RequestRecord] = {}  # every accepted, unfinished request
         self._laned: dict[int, RequestRecord] = {}  # requests holding a lane
         self._open_batch: PendingBatch | None = None
+        self._unpublished: list[_Unpublished] = []  # see _publish_committed
         self.observer: StepObserver | None = None
         self.units_run = 0
         self.baseline = program.usage()
@@ -317,6 +338,8 @@ class EngineCore:
         did |= self._freeze_cancellations()
         did |= self._try_admit()
         unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
+        if unit is None or unit.kind is not UnitKind.DECODE:
+            self._publish_committed()  # a decode unit publishes them once it is on the device
         if unit is not None:
             if self.observer is not None:
                 self.observer(self, unit)
@@ -390,7 +413,7 @@ class EngineCore:
         settled = [r for r in self._laned.values() if r.state is RequestState.TERMINAL_PENDING]
         for record in settled:
             self._release(record)
-            self._finish(record, record.finish_reason or "cancelled")
+            self._finish(record, record.finish_reason or "cancelled", record.output_error)
         return bool(settled)
 
     def _release(self, record: RequestRecord) -> None:
@@ -409,12 +432,14 @@ class EngineCore:
 
     # ---- 4. cancellation snapshot ----
     def _freeze_cancellations(self) -> bool:
-        cancelled = [
-            r for r in self._laned.values() if r.state in ACTIVE_STATES and r.channel.cancel_requested
+        ended = [
+            r
+            for r in self._laned.values()
+            if r.state in ACTIVE_STATES and (r.channel.cancel_requested or r.output_error is not None)
         ]
-        for record in cancelled:
-            self._enter_terminal(record, "cancelled")
-        return bool(cancelled)
+        for record in ended:
+            self._enter_terminal(record, "cancelled" if record.output_error is None else "error")
+        return bool(ended)
 
     # ---- 5. admission ----
     def _try_admit(self) -> bool:
@@ -496,8 +521,9 @@ class EngineCore:
         else:
             handles = [self._handle(r) for r in unit.members]
             budgets = [r.remaining_budget for r in unit.members]
-            batch = self._program.decode(handles, budgets)
+            batch = self._program.decode(handles, budgets, while_running=self._publish_committed)
             self._open_batch = batch
+            self._publish_committed()  # if the Program did not call back: the preview below needs it
             if batch.kind != "decode" or [row.handle for row in batch.rows] != handles:
                 raise EngineInvariantError(f"decode returned a batch whose membership differs: {batch!r}")
             for row, budget in zip(batch.rows, budgets):
@@ -541,8 +567,9 @@ class EngineCore:
         errors: list[RequestFailed | None] = []
         for row, record in zip(batch.rows, members):
             preview: OutputPreviewLike | None = None
-            error: RequestFailed | None = None
-            if not record.channel.cancel_requested:  # else observed while the unit ran: a cancelled row
+            error = record.output_error  # a deferred OutputSession commit failed while the unit ran
+            # else a cancellation observed while the unit ran: both make a cancelled row
+            if error is None and not record.channel.cancel_requested:
                 try:
                     preview = record.session.preview(row.tokens)
                 except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
@@ -596,10 +623,22 @@ class EngineCore:
                 record.pending_force = force
                 record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY
 
-        # OutputSession commits, then publication
+        # OutputSession commits, then publication: for rows that go on generating, once the next decode
+        # unit is on the device (_publish_committed)
         for row, record, decision, preview, reason, error in zip(
             batch.rows, members, decisions, previews, reasons, errors
         ):
+            if preview is not None and reason is None:
+                accepted = decision.accepted_tokens
+                self._unpublished.append(
+                    _Unpublished(
+                        record,
+                        preview,
+                        tuple(row.tokens[:accepted]),
+                        self._row_logprobs(record, row, accepted),
+                    )
+                )
+                continue
             if preview is not None:
                 try:
                     out = record.session.commit(preview)
@@ -612,16 +651,41 @@ class EngineCore:
                 else:
                     record.output_touched = True
                     accepted = decision.accepted_tokens
-                    logprobs = None
-                    if record.plan.logprobs.enabled:
-                        logprobs = tuple(
-                            row.logprobs[:accepted]
-                            if row.logprobs is not None
-                            else (TokenLogprob(t, 0.0) for t in row.tokens[:accepted])  # forced: not sampled
-                        )
+                    logprobs = self._row_logprobs(record, row, accepted)
                     self._publish_delta(record, out, tuple(row.tokens[:accepted]), logprobs)
             if reason is not None:
                 self._finish(record, reason, error)
+
+    @staticmethod
+    def _row_logprobs(
+        record: RequestRecord, row: PendingRow, accepted: int
+    ) -> tuple[TokenLogprob, ...] | None:
+        if not record.plan.logprobs.enabled:
+            return None
+        if row.logprobs is None:  # forced tokens: not sampled
+            return tuple(TokenLogprob(t, 0.0) for t in row.tokens[:accepted])
+        return tuple(row.logprobs[:accepted])
+
+    def _publish_committed(self) -> None:
+        """OutputSession commit and publication of the last unit's rows that go on generating.
+
+        Runs while the next decode unit is on the device (the Program's ``while_running`` call), else
+        before any other unit, before anything completes a request, and when no unit follows. A failing
+        OutputSession commit ends only its request: its row in the unit now running cannot be released
+        yet, so the error is kept and the request ends as a cancelled row at its next unit or boundary.
+        """
+        if not self._unpublished:
+            return
+        rows, self._unpublished = self._unpublished, []
+        for row in rows:
+            record = row.record
+            try:
+                out = record.session.commit(row.preview)
+            except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
+                record.output_error = self._output_error(record, "commit", exc)
+                continue
+            record.output_touched = True
+            self._publish_delta(record, out, row.token_ids, row.logprobs)
 
     def _output_error(self, record: RequestRecord, call: str, exc: Exception) -> RequestFailed:
         """The error result of a request whose OutputSession raised (logged with its traceback)."""
@@ -656,6 +720,7 @@ class EngineCore:
     # ---- completion ----
     def _finish(self, record: RequestRecord, reason: FinishReason, error: NInferError | None = None) -> None:
         """Complete the response: flush held-back output (not on error), publish the one result."""
+        self._publish_committed()  # the request's earlier rows first
         if reason != "error" and record.output_touched:
             try:
                 tail = record.session.finish()
@@ -691,6 +756,7 @@ class EngineCore:
             except Exception:  # noqa: BLE001
                 log.warning("cleanup after Engine failure: %s failed", what, exc_info=True)
 
+        self._unpublished.clear()  # their requests end with EngineFailed below
         batch = self._open_batch
         self._open_batch = None
         if batch is not None and not batch.consumed:

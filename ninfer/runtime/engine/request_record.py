@@ -223,6 +223,9 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     output_touched: bool = False  # the OutputSession has committed something (finish() may flush)
+    # a deferred OutputSession commit failed (EngineCore._publish_committed): the request ends with this
+    # error at its next boundary or unit, as a cancelled row
+    output_error: NInferError | None = None
 
     @property
     def max_new_tokens(self) -> int:

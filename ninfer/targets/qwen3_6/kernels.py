@@ -489,12 +489,14 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
 
 
 def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
-    """One-row projections (decode at B = 1) stream the weight with our GEMV kernel, which reads it
-    5-16 % faster than cuBLAS on the H200 (tools/kernel_bench/skinny_gemm.py); the rest stay cuBLAS."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype and w.stride(-1) == 1:
-        from ninfer.ops.triton.skinny_gemm import skinny_linear
+    """Decode projections stream the weight with our GEMV kernel where it reads it faster than cuBLAS
+    on the H200 (every one-row shape, some 2..8-row ones: `skinny_gemm.prefers_skinny`); the rest stay
+    cuBLAS."""
+    if x.dim() == 2 and x.dtype == w.dtype and w.stride(-1) == 1 and x.shape[0] <= 8:
+        from ninfer.ops.triton.skinny_gemm import prefers_skinny, skinny_linear
 
-        return skinny_linear(x, w)
+        if prefers_skinny(x.shape[0], w.shape[0], w.shape[1]):
+            return skinny_linear(x, w)
     return F.linear(x, w)
 
 

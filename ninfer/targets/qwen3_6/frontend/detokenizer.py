@@ -6,12 +6,20 @@ emitted, ``decode(window)`` is that plus the candidate new text, which is emitte
 end in an incomplete character. Special tokens are emitted whole, as separate pieces, so the caller can
 route or drop them by id.
 
-State is a few immutable fields, so ``copy()`` is cheap: the output session copies it for every preview.
+The prefix text ``decode(window[:read])`` is cached, so a step decodes once instead of twice. While
+tokens are held it does not change. After an emission the new prefix is the emitted piece. That holds
+because the Qwen3 tokenizer's decoder is byte-level (token bytes concatenated, then a lossy UTF-8
+decode). When the old prefix text has no U+FFFD its bytes are complete UTF-8, and UTF-8 restarts at a
+character boundary, so ``decode(window) == prefix + decode(window[read:])``. A prefix that contains
+U+FFFD gives no such guarantee and is decoded fresh. tests/frontend/test_output_lazy.py checks this
+against fresh decodes on random streams.
+
+State is a few immutable fields, so ``copy()`` is cheap: the output session copies it for every preview
+that needs text (stop strings).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
@@ -30,44 +38,60 @@ class Piece(NamedTuple):
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tok", "_window", "_read")
+    __slots__ = ("_tok", "_window", "_read", "_prefix")
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        window: tuple[int, ...] = (),
+        read: int = 0,
+        prefix: str | None = "",
+    ) -> None:
         self._tok = tokenizer
-        self._window: tuple[int, ...] = ()  # regular tokens from the prefix offset on
-        self._read = 0  # window[:read] is already emitted (kept as decoding context)
+        self._window = window  # regular tokens from the prefix offset on
+        self._read = read  # window[:read] is already emitted (kept as decoding context)
+        self._prefix = prefix  # decode(window[:read]) when known, else None (decoded on demand)
 
     def copy(self) -> IncrementalDetokenizer:
-        return copy.copy(self)
+        # direct construction: copy.copy goes through the generic __reduce_ex__ path (several us)
+        return IncrementalDetokenizer(self._tok, self._window, self._read, self._prefix)
 
     def step(self, token_id: int) -> list[Piece]:
         """The text pieces that become final once ``token_id`` is appended."""
-        special = self._tok.added_token_text(token_id)
+        tok = self._tok
+        special = tok.added_token_text(token_id)
         if special is not None:
             pieces = self.flush()
             pieces.append(Piece(special, token_id))
             return pieces
-        if not 0 <= token_id < self._tok.vocab_size:
+        if not 0 <= token_id < tok.vocab_size:
             return []  # a row of the embedding with no token (vocab padding): no text
+        read = self._read
         window = self._window + (token_id,)
-        prefix_text = self._tok.decode(window[: self._read])
-        new_text = self._tok.decode(window)
-        held = len(window) - self._read
+        prefix_text = self._prefix
+        if prefix_text is None:
+            prefix_text = tok.decode(window[:read])
+        new_text = tok.decode(window)
         if len(new_text) > len(prefix_text) and (
-            not new_text.endswith(_REPLACEMENT) or held >= _MAX_HELD_TOKENS
+            not new_text.endswith(_REPLACEMENT) or len(window) - read >= _MAX_HELD_TOKENS
         ):
-            self._window = window[self._read :]
+            piece = new_text[len(prefix_text) :]
+            self._window = window[read:]
             self._read = len(self._window)
-            return [Piece(new_text[len(prefix_text) :])]
+            # the emitted piece is decode(new window) when the old prefix was complete UTF-8 (module doc)
+            self._prefix = piece if _REPLACEMENT not in prefix_text else None
+            return [Piece(piece)]
         self._window = window
+        self._prefix = prefix_text
         return []
 
     def flush(self) -> list[Piece]:
         """Emit held tokens even if incomplete (a special token or the end follows, so they never will be)."""
-        if len(self._window) == self._read:
-            self._window, self._read = (), 0
+        window, read, prefix_text = self._window, self._read, self._prefix
+        self._window, self._read, self._prefix = (), 0, ""
+        if len(window) == read:
             return []
-        prefix_text = self._tok.decode(self._window[: self._read])
-        new_text = self._tok.decode(self._window)
-        self._window, self._read = (), 0
+        if prefix_text is None:
+            prefix_text = self._tok.decode(window[:read])
+        new_text = self._tok.decode(window)
         return [Piece(new_text[len(prefix_text) :])] if len(new_text) > len(prefix_text) else []

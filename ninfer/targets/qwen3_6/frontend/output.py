@@ -2,9 +2,14 @@
 
 Per token the pipeline is: stop token check -> thinking-budget accounting (by token id) -> incremental
 detokenization -> stop strings (over the text, markers included, like vLLM) -> thinking/content split
--> tool-call parsing of the content. Every stage keeps only a small, immutable-valued state; ``preview``
-runs the span on copies and keeps the result with the preview, ``commit`` adopts it. Committed totals
-live outside the copied state, so a preview costs O(span), not O(output).
+-> tool-call parsing of the content. Committed totals live outside the per-stage state, so a preview
+costs O(span), not O(output).
+
+What a preview decides (``accepted``, ``stop``, ``force_tokens``) depends on text only through stop
+strings: the channel splitter and the tool-call parser never end output. So without stop strings a
+preview runs only the id logic and returns a ``LazyPreview``; the text pipeline runs in ``commit``, on
+the committed state in place, which the Engine can overlap with the next model step. With stop strings
+``preview`` runs the whole pipeline on copies of the stage states, and ``commit`` adopts them.
 """
 
 from __future__ import annotations
@@ -49,25 +54,21 @@ def _option(options: Any, name: str) -> Any:
     return getattr(options, name, getattr(_DEFAULTS, name))
 
 
-@dataclass
-class _State:
-    """Everything a preview may change; components are copied, never shared, between previews."""
+@dataclass(slots=True)
+class _TextState:
+    """The text stages' state. An eager preview works on a copy; a lazy commit mutates it in place."""
 
     detok: IncrementalDetokenizer
     stop: StopStringMatcher | None
     splitter: ChannelSplitter | None
     tools: ToolCallParser | None
-    in_think: bool
-    think_tokens: int
 
-    def copy(self) -> _State:
-        return _State(
+    def copy(self) -> _TextState:
+        return _TextState(
             detok=self.detok.copy(),
             stop=self.stop.copy() if self.stop else None,
             splitter=self.splitter.copy() if self.splitter else None,
             tools=self.tools.copy() if self.tools else None,
-            in_think=self.in_think,
-            think_tokens=self.think_tokens,
         )
 
 
@@ -86,6 +87,83 @@ class _Acc:
         )
 
 
+class LazyPreview:
+    """A preview decided by token ids alone (no stop strings); its text is rendered on demand.
+
+    The Engine reads ``accepted``, ``stop`` and ``force_tokens``. ``delta`` is rendered from a copy of the
+    committed text state on first access and cached, and ``commit`` then adopts that rendering; if it was
+    never read, ``commit`` renders on the committed state in place and caches the result here. A preview
+    that a commit superseded before its delta was read cannot render any more (the state it was taken
+    from is gone): reading its delta raises RuntimeError.
+    """
+
+    __slots__ = (
+        "accepted",
+        "stop",
+        "force_tokens",
+        "token_ids",
+        "stop_reason",
+        "in_think",
+        "think_tokens",
+        "_session",
+        "_epoch",
+        "_delta",
+        "_rendered",
+    )
+
+    def __init__(
+        self,
+        session: OutputSession,
+        token_ids: tuple[int, ...],
+        stop_reason: int | None,
+        force_tokens: tuple[int, ...],
+        in_think: bool,
+        think_tokens: int,
+    ) -> None:
+        self.accepted = len(token_ids)
+        self.stop = stop_reason is not None
+        self.force_tokens = force_tokens
+        self.token_ids = token_ids  # the accepted ids (a stopping id last)
+        self.stop_reason = stop_reason
+        self.in_think = in_think  # thinking counters after the span
+        self.think_tokens = think_tokens
+        self._session = session
+        self._epoch = session._epoch  # the committed state this preview extends
+        self._delta: OutputDelta | None = None
+        self._rendered: _TextState | None = None  # the text state after the span, if rendered pre-commit
+
+    @property
+    def rendered(self) -> bool:
+        """Whether the text (``delta``) has been computed yet."""
+        return self._delta is not None
+
+    @property
+    def delta(self) -> OutputDelta:
+        if self._delta is None:
+            session = self._session
+            if session._epoch != self._epoch:
+                raise RuntimeError("this preview was superseded by a commit before its delta was read")
+            st = session._st.copy()
+            self._delta = session._render(st, self.token_ids, self.stop)
+            self._rendered = st
+        return self._delta
+
+    def _key(self) -> tuple[Any, ...]:
+        return (id(self._session), self._epoch, self.token_ids, self.stop_reason, self.force_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        # the delta is a function of the committed state (session, epoch) and the accepted ids
+        return isinstance(other, LazyPreview) and self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable cache, value equality
+
+    def __repr__(self) -> str:
+        return (
+            f"LazyPreview(accepted={self.accepted}, stop={self.stop}, force_tokens={self.force_tokens}, "
+            f"rendered={self.rendered})"
+        )
+
+
 class OutputSession:
     """Output state of one request. Used by one thread (the Engine worker)."""
 
@@ -97,7 +175,8 @@ class OutputSession:
         options: Any,
         eos_token_ids: Sequence[int],
     ) -> None:
-        self._special = special
+        self._think_open = special.think_open
+        self._think_close = special.think_close
         stop_ids = set(int(i) for i in _option(options, "stop_token_ids"))
         if not _option(options, "ignore_eos"):
             stop_ids.update(int(i) for i in eos_token_ids)
@@ -120,17 +199,23 @@ class OutputSession:
         # are part of the raw answer (Qwen3's official tokenizer marks them special: false)
         markup = (tokenizer.token_id(t) for t in TEXT_MARKUP_TOKENS)
         self._markup_ids = frozenset(i for i in markup if i is not None)
-        self._state = _State(
+        self._st = _TextState(
             detok=IncrementalDetokenizer(tokenizer),
             stop=StopStringMatcher(stop_strings, bool(_option(options, "include_stop_str")))
             if stop_strings
             else None,
             splitter=ChannelSplitter(prompt.opens_thinking) if parse_reasoning else None,
             tools=ToolCallParser(schemas, secrets.token_hex(8)) if schemas else None,
-            in_think=prompt.opens_thinking,
-            think_tokens=0,
         )
-        self._pending: tuple[OutputPreview, _State, int | str | None] | None = None
+        # stop strings are the only text-dependent decision of a preview (see the module doc)
+        self._lazy = not stop_strings
+        # thinking counters, by token id (only the budget reads them)
+        self._in_think = prompt.opens_thinking
+        self._think_tokens = 0
+        # the latest preview; an eager one keeps (text state, stop reason, in_think, think_tokens) beside
+        self._pending: OutputPreview | LazyPreview | None = None
+        self._pending_eager: tuple[_TextState, int | str | None, bool, int] | None = None
+        self._epoch = 0  # counts changes of the committed text state (a LazyPreview renders from one)
         self._done = False
         # committed totals
         self._text: list[str] = []
@@ -167,15 +252,38 @@ class OutputSession:
         """Forced control the committed state requires before the next model token: the thinking-budget
         close. Previews report the same after the span that reaches the budget; this also covers
         ``thinking_budget=0`` with a prompt that opens thinking, before any token was generated."""
-        return () if self._done else self._budget_force(self._state)
+        return () if self._done else self._budget_force(self._in_think, self._think_tokens)
 
     # ---- preview / commit ---------------------------------------------------------------------
-    def preview(self, token_ids: Sequence[int]) -> OutputPreview:
+    def preview(self, token_ids: Sequence[int]) -> OutputPreview | LazyPreview:
         """The effect of appending ``token_ids`` to what is committed; the session does not change."""
         if self._done:
             raise RuntimeError("output session already finished")
-        st = self._state.copy()
+        if not self._lazy:
+            return self._preview_eager(token_ids)
+        ids = tuple(map(int, token_ids))
+        stop_ids = self._stop_ids
+        stop_reason: int | None = None
+        for k, tid in enumerate(ids):
+            if tid in stop_ids:
+                stop_reason = tid
+                ids = ids[: k + 1]
+                break
+        in_think, think_tokens = self._in_think, self._think_tokens
+        force: tuple[int, ...] = ()
+        if self._thinking_budget is not None:  # else the counters are never read: skip them
+            span = ids[:-1] if stop_reason is not None else ids
+            in_think, think_tokens = self._count_thinking(in_think, think_tokens, span)
+            if stop_reason is None:
+                force = self._budget_force(in_think, think_tokens)
+        preview = LazyPreview(self, ids, stop_reason, force, in_think, think_tokens)
+        self._pending = preview
+        return preview
+
+    def _preview_eager(self, token_ids: Sequence[int]) -> OutputPreview:
+        st = self._st.copy()
         acc = _Acc()
+        in_think, think_tokens = self._in_think, self._think_tokens
         accepted = 0
         stop_reason: int | str | None = None
         for raw in token_ids:
@@ -185,40 +293,67 @@ class OutputSession:
                 stop_reason = tid
                 self._flush(st, acc, pending_text=True)
                 break
-            self._count_thinking(st, tid)
+            if self._thinking_budget is not None:
+                in_think, think_tokens = self._count_thinking(in_think, think_tokens, (tid,))
             text = self._piece_text(st.detok.step(tid))
             if text and self._route(st, text, acc):
                 stop_reason = st.stop.last_hit if st.stop is not None else None
                 self._flush(st, acc, pending_text=False)
                 break
         stop = stop_reason is not None
-        force = () if stop else self._budget_force(st)
+        force = () if stop else self._budget_force(in_think, think_tokens)
         ids = tuple(int(t) for t in token_ids[:accepted])
         preview = OutputPreview(accepted=accepted, stop=stop, delta=acc.delta(ids), force_tokens=force)
-        self._pending = (preview, st, stop_reason)
+        self._pending = preview
+        self._pending_eager = (st, stop_reason, in_think, think_tokens)
         return preview
 
-    def commit(self, preview: OutputPreview) -> OutputDelta:
+    def commit(self, preview: OutputPreview | LazyPreview) -> OutputDelta:
         """Apply ``preview``, which must be the latest one of this session."""
-        if self._pending is None or self._pending[0] is not preview:
+        if self._pending is None or self._pending is not preview:
             raise ValueError("commit() takes the latest preview of this session, not yet committed")
-        _, st, stop_reason = self._pending
         self._pending = None
-        self._state = st
-        self._apply(preview.delta)
+        if isinstance(preview, LazyPreview):
+            delta = self._commit_lazy(preview)
+            stop_reason: int | str | None = preview.stop_reason
+        else:
+            assert self._pending_eager is not None
+            self._st, stop_reason, self._in_think, self._think_tokens = self._pending_eager
+            self._epoch += 1
+            delta = preview.delta
+        self._pending_eager = None
+        self._apply(delta)
         if preview.stop:
             self._done = True
             self.finish_reason = "stop"
             self.stop_reason = stop_reason
-        return preview.delta
+        return delta
+
+    def _commit_lazy(self, preview: LazyPreview) -> OutputDelta:
+        self._epoch += 1  # any other outstanding preview can no longer render
+        self._in_think, self._think_tokens = preview.in_think, preview.think_tokens
+        if preview._delta is not None:  # rendered on a copy when its delta was read: adopt that
+            assert preview._rendered is not None
+            self._st, preview._rendered = preview._rendered, None
+            return preview._delta
+        try:
+            delta = self._render(self._st, preview.token_ids, preview.stop)
+        except BaseException:
+            # the text state is partly advanced: the session cannot continue (the Engine ends the request)
+            self._done = True
+            raise
+        preview._delta = delta
+        return delta
 
     def finish(self) -> OutputDelta:
         """End of generation for a non-stop reason: flush everything held back. Idempotent."""
         self._pending = None
+        self._pending_eager = None
         if self._done:
             return OutputDelta()
+        self._epoch += 1
         acc = _Acc()
-        self._flush(self._state, acc, pending_text=True)
+        self._flush(self._st, acc, pending_text=True)
         self._done = True
         delta = acc.delta(())
         self._apply(delta)
@@ -239,18 +374,33 @@ class OutputSession:
                 call[1] = d.name
             call[2] += d.arguments
 
-    def _budget_force(self, st: _State) -> tuple[int, ...]:
+    def _budget_force(self, in_think: bool, think_tokens: int) -> tuple[int, ...]:
         budget = self._thinking_budget
-        return self._force_ids if budget is not None and st.in_think and st.think_tokens >= budget else ()
+        return self._force_ids if budget is not None and in_think and think_tokens >= budget else ()
 
-    def _count_thinking(self, st: _State, tid: int) -> None:
+    def _count_thinking(self, in_think: bool, think_tokens: int, ids: Sequence[int]) -> tuple[bool, int]:
         """Track the reasoning block by token id (independent of text parsing) for the budget."""
-        if tid == self._special.think_close:
-            st.in_think = False
-        elif tid == self._special.think_open:
-            st.in_think = True
-        elif st.in_think:
-            st.think_tokens += 1
+        close, open_ = self._think_close, self._think_open
+        for tid in ids:
+            if tid == close:
+                in_think = False
+            elif tid == open_:
+                in_think = True
+            elif in_think:
+                think_tokens += 1
+        return in_think, think_tokens
+
+    def _render(self, st: _TextState, ids: tuple[int, ...], stop: bool) -> OutputDelta:
+        """The text pipeline over the ids of a lazy preview, advancing ``st``: what the eager preview
+        computes for the same span when there are no stop strings (a stopping id, last, flushes)."""
+        acc = _Acc()
+        for tid in ids[:-1] if stop else ids:
+            text = self._piece_text(st.detok.step(tid))
+            if text:
+                self._channel(st, text, acc)
+        if stop:
+            self._flush(st, acc, pending_text=True)
+        return acc.delta(ids)
 
     def _piece_text(self, pieces: list[Piece]) -> str:
         out = []
@@ -259,7 +409,7 @@ class OutputSession:
                 out.append(p.text)
         return "".join(out)
 
-    def _route(self, st: _State, text: str, acc: _Acc) -> bool:
+    def _route(self, st: _TextState, text: str, acc: _Acc) -> bool:
         """Push text through stop strings and the channel/tool parsers; True if a stop string hit."""
         stopped = False
         if st.stop is not None:
@@ -268,7 +418,7 @@ class OutputSession:
             self._channel(st, text, acc)
         return stopped
 
-    def _channel(self, st: _State, text: str, acc: _Acc) -> None:
+    def _channel(self, st: _TextState, text: str, acc: _Acc) -> None:
         segments = st.splitter.feed(text) if st.splitter is not None else [("content", text)]
         for channel, seg in segments:
             if channel == "reasoning":
@@ -276,7 +426,7 @@ class OutputSession:
             else:
                 self._content(st, seg, acc)
 
-    def _content(self, st: _State, text: str, acc: _Acc) -> None:
+    def _content(self, st: _TextState, text: str, acc: _Acc) -> None:
         if st.tools is None:
             acc.text.append(text)
             return
@@ -284,7 +434,7 @@ class OutputSession:
         acc.text.append(content)
         acc.calls.extend(deltas)
 
-    def _flush(self, st: _State, acc: _Acc, *, pending_text: bool) -> None:
+    def _flush(self, st: _TextState, acc: _Acc, *, pending_text: bool) -> None:
         """Release every held-back piece (output ends). ``pending_text``: also the detokenizer's tail and
         the stop matcher's held prefix (False after a stop string, which discards what follows it)."""
         if pending_text:

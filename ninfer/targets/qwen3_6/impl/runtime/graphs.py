@@ -22,6 +22,10 @@ DecodeFn = Callable[[PackedStep], torch.Tensor]  # the packed device inputs -> l
 class _Graph:
     def __init__(self, b: int, scratch_slot: int, device: torch.device) -> None:
         self.inputs = StepBuilder.placeholder(b, scratch_slot, device)  # the static input buffer
+        # pinned host staging of the same size: a copy from pageable memory costs the host a staged,
+        # synchronous transfer; reusing it is safe because each decode reads its tokens back (a full
+        # sync) before the next `run`
+        self.staging = torch.empty_like(self.inputs.values, device="cpu").pin_memory()
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
@@ -55,7 +59,8 @@ class DecodeGraphs:
         The device step is the graph's static buffer: valid until the next `run`.
         """
         g = self._graphs[step.num_rows]
-        g.inputs.values.copy_(step.values, non_blocking=True)
+        g.staging.copy_(step.values)
+        g.inputs.values.copy_(g.staging, non_blocking=True)
         g.graph.replay()
         self.replays[step.num_rows] = self.replays.get(step.num_rows, 0) + 1
         assert g.logits is not None

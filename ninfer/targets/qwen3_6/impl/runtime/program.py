@@ -18,7 +18,7 @@ The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -308,7 +308,13 @@ class Qwen36Program:
         return self._pending("prefill", [seq], logits, step, consumed=(len(chunk),))
 
     @torch.inference_mode()
-    def decode(self, handles: Sequence[SequenceHandle], budgets: Sequence[int]) -> PendingBatch:
+    def decode(
+        self,
+        handles: Sequence[SequenceHandle],
+        budgets: Sequence[int],
+        *,
+        while_running: Callable[[], None] | None = None,
+    ) -> PendingBatch:
         self._no_open_pending("decode")
         if not handles or len(handles) > self.max_concurrency or len(budgets) != len(handles):
             raise ProgramInvariantError(f"decode of {len(handles)} rows with {len(budgets)} budgets")
@@ -321,7 +327,9 @@ class Qwen36Program:
             if s.frontier + 1 > s.max_total:
                 raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
         logits, step = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
-        return self._pending("decode", seqs, logits, step, consumed=(1,) * len(seqs))
+        return self._pending(
+            "decode", seqs, logits, step, consumed=(1,) * len(seqs), while_running=while_running
+        )
 
     @torch.inference_mode()
     def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
@@ -416,6 +424,7 @@ class Qwen36Program:
         logits: torch.Tensor | None,
         step: PackedStep,
         consumed: tuple[int, ...],
+        while_running: Callable[[], None] | None = None,
     ) -> PendingBatch:
         assert logits is not None
         batch = self._sampling_batch(seqs)
@@ -436,6 +445,8 @@ class Qwen36Program:
             num_logprobs=top_n,
             with_logprob=want_logprobs,
         )
+        if while_running is not None:
+            while_running()  # the unit and its sampler are queued: the Engine's host work overlaps them
         tokens = result.tokens.tolist()  # the one host sync of a unit: the Engine needs the tokens
         chosen = result.logprob.tolist() if want_logprobs else []
         top_ids = result.top_ids.tolist() if top_n else []
