@@ -11,7 +11,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-export PYTHONPATH=$PWD:$PYTHONPATH FLA_FLASH_QLA=0
+# tests import `tools/` as `ninfer_tools` (setup.py's package_dir); the image runs the tree uninstalled
+mkdir -p /tmp/alias && ln -sfn "$PWD/tools" /tmp/alias/ninfer_tools
+export PYTHONPATH=$PWD:/tmp/alias:$PYTHONPATH FLA_FLASH_QLA=0
 BENCH="python3 -m ninfer bench --json"
 for step in "$@"; do
   t0=$(date +%s)
@@ -33,6 +35,9 @@ for step in "$@"; do
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
+    timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
+    skinny) timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/ops/test_triton_skinny_gemm.py -k real_shapes ;;
+    graphlaunch) timeout 120 python3 -m tools.kernel_bench.graph_launch ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;

@@ -75,16 +75,41 @@ class ReplayTimer:
     """Wraps the B-row decode graph's `replay` with CUDA events and host stamps (median per round)."""
 
     def __init__(self, engine: object, rows: int) -> None:
-        graphs = engine.core._program._graphs  # type: ignore[attr-defined]
-        self.graph = graphs._graphs[rows].graph
+        from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+
+        program = engine.core._program  # type: ignore[attr-defined]
+        self.graph = program._graphs._graphs[rows].graph
         self.original = self.graph.replay
         self.rounds: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self.graph.replay = self.replay
+        # host stamps: replay call start, sampler queued, tokens read back (end of tolist); and a device
+        # event after the sampler's kernels
+        self.stamps: list[tuple[str, float]] = []
+        self.sampled: list[torch.cuda.Event] = []
+        original_sample, original_tolist = program_module.sample, torch.Tensor.tolist
+
+        def sample(*args: object, **kwargs: object) -> object:
+            out = original_sample(*args, **kwargs)
+            if self.stamps and self.stamps[-1][0] == "launch":  # a replayed decode (not a prefill)
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.sampled.append(event)
+            return out
+
+        def tolist(tensor: torch.Tensor) -> object:
+            out = original_tolist(tensor)
+            if tensor.is_cuda:
+                self.stamps.append(("read_back", time.perf_counter()))
+            return out
+
+        program_module.sample = sample
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
 
     def replay(self) -> None:
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record()
         t0 = time.perf_counter()
+        self.stamps.append(("launch", t0))
         self.original()
         host = time.perf_counter() - t0
         after.record()
@@ -93,6 +118,12 @@ class ReplayTimer:
     def summary(self, skip: int) -> dict[str, float]:
         torch.cuda.synchronize()
         rounds = self.rounds[skip:]
+        sampler = [a.elapsed_time(s) * 1e3 for (_, a, _), s in zip(rounds, self.sampled[skip:])]
+        host_after_read_back = [
+            (t2 - t1) * 1e6
+            for (n1, t1), (n2, t2) in zip(self.stamps, self.stamps[1:])
+            if n1 == "read_back" and n2 == "launch"
+        ][skip:]
         launch_and_graph = [b.elapsed_time(a) * 1e3 for b, a, _ in rounds]
         between = [p[1].elapsed_time(n[0]) * 1e3 for p, n in zip(rounds, rounds[1:])]
         host = [h * 1e6 for _, _, h in rounds]
@@ -110,6 +141,8 @@ class ReplayTimer:
             "before_launch_to_graph_end_us": statistics.median(launch_and_graph),
             "graph_end_to_next_launch_us": statistics.median(between),
             "replay_call_host_us": statistics.median(host),
+            "graph_end_to_sampler_end_us": statistics.median(sampler),
+            "host_read_back_to_next_launch_us": statistics.median(host_after_read_back),
         }
 
 
