@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
 # and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests, attn, gemm, fla, moe,
-# small, routegemv, the sweeps, bench35/27[full], profile35/27, prefilldetail, engine27/35, pdlprofile,
-# pdloff8, chunk8k, start27: a synthetic full-size 27B artifact loaded by bench).
+# small, routegemv, the sweeps, bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27,
+# hostround27/35, skinny, graphlaunch, pdlprofile, pdloff8, chunk8k, start27: a synthetic full-size 27B
+# artifact loaded by bench).
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
@@ -36,6 +37,8 @@ for step in "$@"; do
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
     timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
+    hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
+    hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch 8 ;;
     skinny) timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/ops/test_triton_skinny_gemm.py -k real_shapes ;;
     graphlaunch) timeout 120 python3 -m tools.kernel_bench.graph_launch ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
