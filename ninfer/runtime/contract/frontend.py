@@ -10,7 +10,11 @@ Rules a Frontend must keep:
 - An ``OutputSession`` belongs to one request and is used only by the Engine worker.
 - ``preview`` is pure: it computes the effect of ``token_ids`` appended to what was committed, without
   changing the session. ``commit(preview)`` applies exactly that preview; it is called only after the
-  Program committed the same tokens. A preview not committed is simply dropped.
+  Program committed the same tokens, and before the session's next ``preview``, but possibly while the
+  next model step already runs (the Engine overlaps it). A preview not committed is simply dropped.
+- Only what ``preview`` decides (``accepted``, ``stop``, ``force_tokens``) is needed before the Program
+  commit; a session may defer its text work (the delta) to ``commit``, which may then raise for a
+  parser bug like ``preview`` may (the Engine ends only that request either way).
 - ``OutputPreview.accepted`` counts model tokens the output consumes (a stopping token counts), so it is
   ``>= 1`` for a non-empty span. ``accepted < len(token_ids)`` only together with ``stop=True``.
 - ``force_tokens`` non-empty (only when not stopping) asks the Engine to run those tokens as forced

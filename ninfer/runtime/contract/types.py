@@ -49,7 +49,11 @@ Rules every Program implementation must keep (each method's docstring repeats th
     vouch for its shared state: the Engine fails as a whole, calls ``abort_pending``/``abort``/``release``
     best-effort for cleanup, and never calls the Program again. Request-level problems are reported as
     values (``Infeasible``), never raised.
-12. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
+12. **The decode overlap hook.** ``decode(..., while_running=f)`` calls ``f`` at most once, synchronously
+    on the calling thread, after the unit is queued on the device and before its tokens are read back,
+    and never keeps it. ``f`` is the Engine's own host work and never calls the Program (rule 1); an
+    exception from it propagates out of ``decode`` with no PendingBatch opened (the Engine then fails).
+13. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
     reserved pages, open transactions, open pending batches); after every request has ended it must
     equal the baseline taken after construction/warmup (checkpoints aside).
 """
@@ -506,8 +510,8 @@ class Program(Protocol):
 
         ``budgets[i] >= 1`` caps the tokens row ``i`` may produce (remaining max_new_tokens); an ordinary
         decode produces 1, a speculative backend up to ``min(K + 1, budget)``.
-        ``while_running`` (at most once): host work of the Engine's that touches no Program state, called
-        after the unit is queued on the device and before its tokens are read back, so the two overlap.
+        ``while_running``: the Engine's host work that touches no Program state, called once after the
+        unit is queued on the device and before its tokens are read back, so the two overlap (rule 12).
         """
         ...
 

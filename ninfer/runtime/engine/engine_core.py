@@ -338,8 +338,11 @@ class EngineCore:
         did |= self._freeze_cancellations()
         did |= self._try_admit()
         unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
-        if unit is None or unit.kind is not UnitKind.DECODE:
-            self._publish_committed()  # a decode unit publishes them once it is on the device
+        # a decode unit publishes the deferred rows once it is on the device; anything else first. A failed
+        # OutputSession commit there ends its request, which must then not get the chosen unit
+        if (unit is None or unit.kind is not UnitKind.DECODE) and self._publish_committed():
+            self._freeze_cancellations()
+            unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
         if unit is not None:
             if self.observer is not None:
                 self.observer(self, unit)
@@ -413,7 +416,10 @@ class EngineCore:
         settled = [r for r in self._laned.values() if r.state is RequestState.TERMINAL_PENDING]
         for record in settled:
             self._release(record)
-            self._finish(record, record.finish_reason or "cancelled", record.output_error)
+            # a deferred OutputSession commit that failed after the request went TerminalPending (e.g. it
+            # was cancelled meanwhile) still ends it with that error
+            reason = "error" if record.output_error is not None else record.finish_reason or "cancelled"
+            self._finish(record, reason, record.output_error)
         return bool(settled)
 
     def _release(self, record: RequestRecord) -> None:
@@ -644,10 +650,7 @@ class EngineCore:
                     out = record.session.commit(preview)
                 except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
                     error = self._output_error(record, "commit", exc)
-                    if reason is None:  # still Active: end it now (the batch is consumed, release is legal)
-                        self._enter_terminal(record, "error")
-                        self._release(record)
-                    reason = "error"
+                    reason = "error"  # a terminal row: its resources are already released above
                 else:
                     record.output_touched = True
                     accepted = decision.accepted_tokens
@@ -666,26 +669,30 @@ class EngineCore:
             return tuple(TokenLogprob(t, 0.0) for t in row.tokens[:accepted])
         return tuple(row.logprobs[:accepted])
 
-    def _publish_committed(self) -> None:
-        """OutputSession commit and publication of the last unit's rows that go on generating.
+    def _publish_committed(self) -> bool:
+        """OutputSession commit and publication of the last unit's rows that go on generating; returns
+        whether one of those commits failed.
 
         Runs while the next decode unit is on the device (the Program's ``while_running`` call), else
-        before any other unit, before anything completes a request, and when no unit follows. A failing
-        OutputSession commit ends only its request: its row in the unit now running cannot be released
-        yet, so the error is kept and the request ends as a cancelled row at its next unit or boundary.
+        before any other unit and when no unit follows. A failing OutputSession commit ends only its
+        request: its row in the unit now running cannot be released yet, so the error is kept and the
+        request ends as a cancelled row at its next unit or boundary.
         """
         if not self._unpublished:
-            return
+            return False
         rows, self._unpublished = self._unpublished, []
+        failed = False
         for row in rows:
             record = row.record
             try:
                 out = record.session.commit(row.preview)
             except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
                 record.output_error = self._output_error(record, "commit", exc)
+                failed = True
                 continue
             record.output_touched = True
             self._publish_delta(record, out, row.token_ids, row.logprobs)
+        return failed
 
     def _output_error(self, record: RequestRecord, call: str, exc: Exception) -> RequestFailed:
         """The error result of a request whose OutputSession raised (logged with its traceback)."""
@@ -720,7 +727,12 @@ class EngineCore:
     # ---- completion ----
     def _finish(self, record: RequestRecord, reason: FinishReason, error: NInferError | None = None) -> None:
         """Complete the response: flush held-back output (not on error), publish the one result."""
-        self._publish_committed()  # the request's earlier rows first
+        # every path to here runs after the request's deferred row was published (its next unit's decode
+        # call, the publication before any other unit, or a boundary without a unit)
+        if any(row.record is record for row in self._unpublished):
+            raise EngineInvariantError(
+                f"request {record.request_id} ends before its committed output is published"
+            )
         if reason != "error" and record.output_touched:
             try:
                 tail = record.session.finish()
@@ -756,7 +768,9 @@ class EngineCore:
             except Exception:  # noqa: BLE001
                 log.warning("cleanup after Engine failure: %s failed", what, exc_info=True)
 
-        self._unpublished.clear()  # their requests end with EngineFailed below
+        # rows the Program committed are still published (best effort), then their requests fail
+        best_effort("publish committed rows", self._publish_committed)
+        self._unpublished.clear()
         batch = self._open_batch
         self._open_batch = None
         if batch is not None and not batch.consumed:
