@@ -74,8 +74,10 @@ class DecodeProfiler:
 class ReplayTimer:
     """Wraps the B-row decode graph's `replay` with CUDA events and host stamps (median per round)."""
 
-    def __init__(self, engine: object, rows: int) -> None:
+    def __init__(self, engine: object, rows: int, limit: int) -> None:
         from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+
+        self.limit = limit  # rounds timed (the later ones run under cProfile and the tracer)
 
         program = engine.core._program  # type: ignore[attr-defined]
         self.graph = program._graphs._graphs[rows].graph
@@ -90,7 +92,8 @@ class ReplayTimer:
 
         def sample(*args: object, **kwargs: object) -> object:
             out = original_sample(*args, **kwargs)
-            if self.stamps and self.stamps[-1][0] == "launch":  # a replayed decode (not a prefill)
+            # a timed, replayed decode (not a prefill)
+            if self.stamps and self.stamps[-1][0] == "launch" and len(self.sampled) < self.limit:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
                 self.sampled.append(event)
@@ -98,7 +101,7 @@ class ReplayTimer:
 
         def tolist(tensor: torch.Tensor) -> object:
             out = original_tolist(tensor)
-            if tensor.is_cuda:
+            if tensor.is_cuda and len(self.rounds) <= self.limit:
                 self.stamps.append(("read_back", time.perf_counter()))
             return out
 
@@ -106,6 +109,9 @@ class ReplayTimer:
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
 
     def replay(self) -> None:
+        if len(self.rounds) >= self.limit:
+            self.original()
+            return
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record()
         t0 = time.perf_counter()
@@ -201,7 +207,7 @@ def main() -> None:
     trace = args.trace if torch.cuda.is_available() else 0
     profiler = DecodeProfiler(args.batch, skip, args.steps, trace)
     engine.core.observer = profiler
-    timer = ReplayTimer(engine, args.batch) if torch.cuda.is_available() else None
+    timer = ReplayTimer(engine, args.batch, limit=skip - 1) if torch.cuda.is_available() else None
     try:
         gen = torch.Generator().manual_seed(0)
         handles = []
@@ -231,7 +237,6 @@ def main() -> None:
         print(f"---- by {order} (totals over {args.steps} rounds)\n{out.getvalue()}", flush=True)
     if timer is not None:
         print("---- decode rounds timed with CUDA events (medians, us; from the first unprofiled rounds)")
-        timer.rounds = timer.rounds[: skip - 1]  # the rounds before cProfile and the tracer attach
         for name, value in timer.summary(skip=2).items():
             print(f"   {name:32s} {value:10.1f}", flush=True)
     if profiler.tracer is not None and profiler.traced:
