@@ -23,8 +23,9 @@ decode unit is on the device: the Program calls back after launching it (``decod
 and the worker commits the OutputSessions and publishes then, so that host work no longer leaves the
 GPU idle between two decode steps. Every order the specification fixes still holds: the Program commit
 and the budget precede the OutputSession commit, which precedes publication; a request's events keep
-their order (anything that completes a request publishes the deferred rows first, and a unit other than
-a decode publishes them before it runs). docs/engine.md, "Publication overlaps the next decode unit".
+their order (a unit other than a decode, and a boundary without a unit, publish the deferred rows first,
+so no request completes with one unpublished: `_finish` checks it). docs/engine.md, "Publication
+overlaps the next decode unit".
 """
 
 from __future__ import annotations
