@@ -43,6 +43,7 @@ for step in "$@"; do
     graphlaunch) timeout 120 python3 -m tools.kernel_bench.graph_launch ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
+    gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;

@@ -1,7 +1,7 @@
 """Time the Triton skinny GEMM (decode GEMV) against cuBLAS (`F.linear`) at the real Qwen3.6 projections.
 
     python3 -m tools.kernel_bench.skinny_gemm [--rows 1 2 4 8] [--config '{"block_n": 16, ...}']
-    python3 -m tools.kernel_bench.skinny_gemm --sweep
+    python3 -m tools.kernel_bench.skinny_gemm --sweep [--variant 27b|35b-a3b]
 
 Shapes: every decode projection of Qwen3.6-27B and -35B-A3B, stacked as the binder stacks them
 (`fused_row_groups`), bf16. Default run: one line per (shape, M) in M = 1, 2, 4, 8 with our kernel's
@@ -14,9 +14,12 @@ max|got - ref| / max|ref| of both against an fp32 `F.linear` of the same bf16 in
 checks every error against the bf16 bound. `--config` (JSON of `SkinnyConfig` fields) replaces the
 default config for every shape. With OUT set, the rows also go to $OUT/skinny_gemm.json.
 
-`--sweep`: the graph-replay time of each SWEEP config (split_k chosen per shape as `default_config`
-does) at M = 1 and 8 for the 27B shapes (lm_head included), the best per shape, and the `_TUNED` dict
-of `ninfer.ops.triton.skinny_gemm` to paste. With OUT set, the rows go to $OUT/skinny_gemm_sweep.json.
+`--sweep`: the graph-replay time of each SWEEP config at M = 1 and 8 for one variant's shapes (27B by
+default; lm_head included), with split_k chosen per shape as `default_config` does and, at M = 8, also
+fixed at 2 and 4 (narrow projections such as N = 5,120 fill few SMs without it); the best per shape, and
+the `_TUNED` entries of `ninfer.ops.triton.skinny_gemm` to paste: every M = 1 best, and an M = 8 best
+only where it beats cuBLAS by >= 3 % (`prefers_skinny` then sends 2..8 rows to it). With OUT set, the
+rows go to $OUT/skinny_gemm_sweep.json.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ BF16 = torch.bfloat16
 H200_SMS = 132
 ROWS = (1, 2, 4, 8)
 SWEEP_ROWS = (1, 8)
+SWEEP_SPLITS = {1: (), 8: (2, 4)}  # fixed split_k tried besides the per-shape default
+MIN_GAIN_OVER_CUBLAS = 1.03  # an 8-row config enters _TUNED only this much faster than cuBLAS
 
 # variant: (op, N, K, uses per decode step)
 SHAPES: dict[str, list[tuple[str, int, int, int]]] = {
@@ -60,7 +65,6 @@ SHAPES: dict[str, list[tuple[str, int, int, int]]] = {
         ("lm_head", 248320, 2048, 1),
     ],
 }
-SWEEP_VARIANT = "27b"
 
 
 def _fma(block_n: int, block_k: int, warps: int = 4, stages: int = 1, unroll: int = 1) -> SkinnyConfig:
@@ -189,10 +193,28 @@ def print_step_totals(rows: list[dict[str, object]]) -> None:
         )
 
 
+def _sweep_configs(m: int, n: int, k: int) -> dict[str, SkinnyConfig]:
+    """SWEEP[m]'s templates with the per-shape default split, and at the SWEEP_SPLITS[m] splits (dot only)."""
+    configs: dict[str, SkinnyConfig] = {}
+    for name, template in SWEEP[m].items():
+        default = _split_for(n, k, template.block_n, template.block_k, H200_SMS)
+        configs[name] = dataclasses.replace(template, split_k=default)
+        for split in SWEEP_SPLITS[m]:
+            if template.use_dot and split != default and k // split >= 4 * template.block_k:
+                configs[f"{name}-split{split}"] = dataclasses.replace(template, split_k=split)
+    return configs
+
+
 def sweep_shape(
-    op: str, n: int, k: int, rows: list[dict[str, object]], tuned: dict[tuple[int, int, int], SkinnyConfig]
+    variant: str,
+    op: str,
+    n: int,
+    k: int,
+    rows: list[dict[str, object]],
+    tuned: dict[tuple[int, int, int], SkinnyConfig],
 ) -> None:
-    """Graph time of every SWEEP template at M = 1 and 8 for one shape; the best goes into ``tuned``."""
+    """Graph time of every sweep config at M = 1 and 8 for one shape; the best goes into ``tuned`` (at
+    M = 8 only if it beats cuBLAS by MIN_GAIN_OVER_CUBLAS)."""
     w = _weights(n, k)
     w32 = w.float()
     for m in SWEEP_ROWS:
@@ -201,15 +223,13 @@ def sweep_shape(
         out = torch.empty(m, n, dtype=BF16, device=DEVICE)
         cublas_us = time_us(graphed(lambda x=x: F.linear(x, w)))
         timings: list[tuple[float, str, SkinnyConfig]] = []
-        for name, template in SWEEP[m].items():
-            split = _split_for(n, k, template.block_n, template.block_k, H200_SMS)
-            config = dataclasses.replace(template, split_k=split)
+        for name, config in _sweep_configs(m, n, k).items():
             timed = _time(lambda x=x, out=out, c=config: skinny_linear(x, w, out=out, config=c), want, False)
             timings.append((timed.graph_us, name, config))
             rows.append(
                 {
                     "op": op,
-                    "variant": SWEEP_VARIANT,
+                    "variant": variant,
                     "shape": [m, n, k],
                     "name": name,
                     "config": dataclasses.asdict(config),
@@ -221,7 +241,8 @@ def sweep_shape(
             )
         timings.sort(key=lambda item: item[0])
         best_us, best_name, best_config = timings[0]
-        tuned[(m, n, k)] = best_config
+        if m == 1 or cublas_us >= MIN_GAIN_OVER_CUBLAS * best_us:
+            tuned[(m, n, k)] = best_config
         listing = "  ".join(f"{name} {us:.1f}" for us, name, _ in timings)
         print(
             f"{op:<11} M={m} N={n:6d} K={k:5d}: best {best_name} {best_us:.2f} us "
@@ -231,12 +252,13 @@ def sweep_shape(
         )
 
 
-def sweep() -> None:
-    """Every SWEEP template on every 27B shape at M = 1 and 8; print the best per shape as `_TUNED`."""
+def sweep(variant: str) -> None:
+    """Every sweep config on every shape of ``variant`` at M = 1 and 8; print the `_TUNED` entries."""
     rows: list[dict[str, object]] = []
     tuned: dict[tuple[int, int, int], SkinnyConfig] = {}
-    for op, n, k, _ in SHAPES[SWEEP_VARIANT]:
-        sweep_shape(op, n, k, rows, tuned)
+    for op, n, k, _ in SHAPES[variant]:
+        sweep_shape(variant, op, n, k, rows, tuned)
+    print(f"_TUNED entries ({variant}; M = 8 only where >= {MIN_GAIN_OVER_CUBLAS}x cuBLAS):")
     print("_TUNED: dict[tuple[int, int, int], SkinnyConfig] = {")
     for key, config in tuned.items():
         print(f"    {key}: {config!r},")
@@ -251,12 +273,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="values of M")
     parser.add_argument("--config", default="{}", help="JSON of SkinnyConfig fields, for every shape")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP configs instead")
+    parser.add_argument("--variant", default="27b", choices=list(SHAPES), help="the shapes --sweep times")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     start = time.perf_counter()
     if args.sweep:
-        sweep()
+        sweep(args.variant)
     else:
         override = json.loads(args.config)
         rows = [
