@@ -146,3 +146,35 @@ def test_forced_tokens_carry_the_models_logprobs() -> None:
         assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
     program.commit(pending, [RowDecision(h, 3)])
     program.release(h)
+
+
+def test_decode_calls_while_running_once_and_a_raising_callback_opens_nothing() -> None:
+    """Contract rule 12 on the real Program: the callback runs once per decode, inside the call; if it
+    raises, decode raises it with no PendingBatch open and nothing committed, so the same decode runs
+    again from the same frontier with the same token."""
+    program = make_program("qwen3_6_tiny", max_concurrency=2)
+    handle = materialize(program, prompts(1)[0], 8)
+    first = program.prefill(handle, 64)
+    assert isinstance(first, PendingBatch)
+    commit_all(program, first)
+
+    calls: list[int] = []
+    # the callback itself must not call the Program (rule 12): it only looks at the private field
+    pending = program.decode([handle], [4], while_running=lambda: calls.append(program._open_pending is None))
+    assert calls == [True], "called once, before decode opened its PendingBatch"
+    frontier = pending.rows[0].base_frontier
+    expected = pending.rows[0].tokens
+    program.abort_pending(pending)
+
+    class CallbackFailed(RuntimeError):
+        pass
+
+    def fail() -> None:
+        raise CallbackFailed("engine-side bug")
+
+    with pytest.raises(CallbackFailed):
+        program.decode([handle], [4], while_running=fail)
+    assert program.usage().open_pending_batches == 0
+    again = program.decode([handle], [4])
+    assert again.rows[0].base_frontier == frontier and again.rows[0].tokens == expected
+    commit_all(program, again)
