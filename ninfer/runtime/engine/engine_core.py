@@ -345,6 +345,7 @@ class EngineCore:
             self._freeze_cancellations()
             unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
         if unit is not None:
+            self._scheduler.started(unit)
             if self.observer is not None:
                 self.observer(self, unit)
             self._run(unit)

@@ -91,7 +91,10 @@ class Scheduler:
 
     # ---- execution units ----
     def next_unit(self, active: Iterable[RequestRecord]) -> Unit | None:
-        """Choose at most one execution unit among the active requests (after cancellations froze)."""
+        """Choose at most one execution unit among the active requests (after cancellations froze).
+
+        Pure: the fairness state moves only when the unit runs (`started`), so a choice the worker
+        discards (it re-chooses after a request ended meanwhile) leaves no trace."""
         decode_ready: list[RequestRecord] = []
         control_ready: list[RequestRecord] = []
         for r in active:
@@ -105,25 +108,25 @@ class Scheduler:
         control = min(control_ready, key=lambda r: r.publication_order) if control_ready else None
 
         if decode_ready and self._last_kind in (UnitKind.PREFILL, UnitKind.CONTROL):
-            return self._chosen(Unit(UnitKind.DECODE, tuple(decode_ready)))
+            return Unit(UnitKind.DECODE, tuple(decode_ready))
         if prefill is not None and control is not None:
             # alternate the two non-decode kinds so neither starves the other
             if self._last_nondecode is UnitKind.CONTROL:
-                return self._chosen(Unit(UnitKind.PREFILL, (prefill,)))
-            return self._chosen(Unit(UnitKind.CONTROL, (control,)))
+                return Unit(UnitKind.PREFILL, (prefill,))
+            return Unit(UnitKind.CONTROL, (control,))
         if control is not None:
-            return self._chosen(Unit(UnitKind.CONTROL, (control,)))
+            return Unit(UnitKind.CONTROL, (control,))
         if prefill is not None:
-            return self._chosen(Unit(UnitKind.PREFILL, (prefill,)))
+            return Unit(UnitKind.PREFILL, (prefill,))
         if decode_ready:
-            return self._chosen(Unit(UnitKind.DECODE, tuple(decode_ready)))
+            return Unit(UnitKind.DECODE, tuple(decode_ready))
         return None
 
-    def _chosen(self, unit: Unit) -> Unit:
+    def started(self, unit: Unit) -> None:
+        """Record that ``unit`` runs: the fairness gates of the next choice depend on it."""
         self._last_kind = unit.kind
         if unit.kind is not UnitKind.DECODE:
             self._last_nondecode = unit.kind
-        return unit
 
     def clear(self) -> list[RequestRecord]:
         """Drop all order state (Engine failure); returns the requests that were waiting."""

@@ -492,7 +492,7 @@ def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
     """Decode projections stream the weight with our GEMV kernel where it reads it faster than cuBLAS
     on the H200 (every one-row shape, some 2..8-row ones: `skinny_gemm.prefers_skinny`); the rest stay
     cuBLAS."""
-    if x.dim() == 2 and x.dtype == w.dtype and w.stride(-1) == 1 and x.shape[0] <= 8:
+    if x.dim() == 2 and x.dtype == w.dtype and w.stride(-1) == 1:
         from ninfer.ops.triton.skinny_gemm import prefers_skinny, skinny_linear
 
         if prefers_skinny(x.shape[0], w.shape[0], w.shape[1]):
