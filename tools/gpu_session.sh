@@ -44,6 +44,9 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
+    gemmmoetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_skinny_gemm.py tests/ops/test_triton_fused_moe.py ;;
+    fastpathtests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/gpu/test_fast_path.py ;;
+    graphtest) timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/gpu/test_engine_cuda.py ;;
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;

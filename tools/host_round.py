@@ -38,11 +38,19 @@ from ninfer.types import EngineConfig, GenerationRequest
 class PhaseStamps:
     """Wraps the Program's phase boundaries with host time stamps."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, core: Any) -> None:
         self.stamps: list[tuple[str, float]] = []
+        program = core._program
         for name in ("_pending", "decode", "_run", "commit"):
             self._wrap(program, name, before=f"{name}>", after=f"<{name}")
         self._wrap(program._steps, "pack", before=None, after="packed")
+        if program._graphs is not None:
+            self._wrap(program._graphs, "run", before="replay>", after="<replay")
+        # the Engine's side: its commit, the deferred publication, the next boundary and its choice
+        for name in ("_commit_unit", "_publish_committed"):
+            self._wrap(core, name, before=f"{name}>", after=f"<{name}")
+        self._wrap(core, "_boundary", before="boundary>", after=None)
+        self._wrap(core._scheduler, "next_unit", before=None, after="chosen")
         original_tolist = torch.Tensor.tolist
 
         def tolist(tensor: torch.Tensor) -> Any:
@@ -52,14 +60,15 @@ class PhaseStamps:
 
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
 
-    def _wrap(self, owner: Any, name: str, before: str | None, after: str) -> None:
+    def _wrap(self, owner: Any, name: str, before: str | None, after: str | None) -> None:
         original: Callable[..., Any] = getattr(owner, name)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if before is not None:
                 self.stamps.append((before, time.perf_counter()))
             out = original(*args, **kwargs)
-            self.stamps.append((after, time.perf_counter()))
+            if after is not None:
+                self.stamps.append((after, time.perf_counter()))
             return out
 
         setattr(owner, name, wrapped)
@@ -94,7 +103,7 @@ def main() -> None:
     engine = start_synthetic(args.package, config, seed=0).engine
     if not torch.cuda.is_available() or args.device == "cpu":
         torch.set_num_threads(1)  # idle intra-op threads spinning after the forward would steal the core
-    stamps = PhaseStamps(engine.core._program)
+    stamps = PhaseStamps(engine.core)
     try:
         gen = torch.Generator().manual_seed(0)
         handles = [

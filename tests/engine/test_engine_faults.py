@@ -110,7 +110,7 @@ class OverproducingProgram(ScriptedProgram):
         batch = super().decode(handles, budgets, **kwargs)  # type: ignore[arg-type]
         if budgets[0] == 1:
             row = batch.rows[0]
-            object.__setattr__(row, "tokens", row.tokens + row.tokens)
+            batch.rows = (row._replace(tokens=row.tokens + row.tokens), *batch.rows[1:])
         return batch
 
 

@@ -39,3 +39,31 @@ def test_pack_maps_every_position_to_its_page_slot() -> None:
     assert fields.context_lens.tolist() == [77, 14, 9, 24] == list(packed.context_lens_host)
     assert fields.state_out.tolist() == [s.spare for s in seqs]
     assert fields.fresh.tolist() == [1, 0, 0, 0]
+
+
+def test_decode_rows_take_the_short_path_to_the_same_layout() -> None:
+    """One token per row (a decode round): `decode_values`, which the decode graph writes into its
+    staging buffer, and `pack` over the same rows give the layout the general packing gives, field by
+    field, at page starts, page ends and mid-page."""
+    rng = random.Random(1)
+    pages = list(range(40))
+    rng.shuffle(pages)
+    builder = StepBuilder(PAGE, torch.zeros(5, 40, dtype=torch.int32))
+    frontiers = [0, PAGE - 1, PAGE, 3 * PAGE + 5, 39 * PAGE + PAGE - 1]
+    seqs = [_seq(f, pages, i) for i, f in enumerate(frontiers)]
+    tokens = [7, 11, 13, 17, 19]
+    for write_spare in (True, False):
+        values = builder.decode_values(seqs, tokens, write_spare=write_spare)
+        packed = builder.pack(seqs, [[t] for t in tokens], write_spare=write_spare)
+        assert packed.values.tolist() == values
+        assert packed.is_decode and packed.num_rows == len(seqs)
+        f = packed.fields()
+        assert f.token_ids.tolist() == tokens
+        assert f.positions.tolist() == frontiers
+        assert f.slot_mapping.tolist() == [pages[p // PAGE] * PAGE + p % PAGE for p in frontiers]
+        assert f.query_start.tolist() == list(range(len(seqs) + 1)) == list(packed.query_start_host)
+        assert f.context_lens.tolist() == [p + 1 for p in frontiers] == list(packed.context_lens_host)
+        assert f.state_in.tolist() == [s.slot for s in seqs]
+        assert f.state_out.tolist() == [s.spare if write_spare else s.slot for s in seqs]
+        assert f.fresh.tolist() == [1, 0, 0, 0, 0]
+        assert f.sequence_index.tolist() == list(range(len(seqs)))

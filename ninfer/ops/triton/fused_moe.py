@@ -159,13 +159,23 @@ class FusedMoeDecodeConfig:
                 raise ValueError(f"FusedMoeDecodeConfig.{name} must be a power of two, got {value}")
 
 
-# (largest T*K, config). At H=2048, I=512 and T=1 (8 pairs): gate_up runs 8 x 64 programs, each streaming
-# 2 x [8, 512] bf16 (16 KiB) per step over 4 steps; down runs 512 programs, each loading 2 x 16 KiB tiles
-# (4 experts x [4, 512]). Every thread issues 16-byte loads (8 bf16 along H or I); if ~4 programs fit on
-# an SM (<= 128 registers per thread), all of them run in one wave with ~64 KiB per SM in flight, enough to
-# cover the HBM latency at the per-SM share of the bandwidth. Starting point for tuning with
-# `python3 -m tools.kernel_bench.fused_moe --sweep`.
-_DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = ((1 << 62, FusedMoeDecodeConfig()),)
+# (largest T*K, config). The default, at H=2048, I=512 and T=1 (8 pairs): gate_up runs 8 x 64 programs,
+# each streaming 2 x [8, 512] bf16 (16 KiB) per step over 4 steps; down runs 512 programs, each loading
+# 2 x 16 KiB tiles (4 experts x [4, 512]). Every thread issues 16-byte loads (8 bf16 along H or I); if ~4
+# programs fit on an SM (<= 128 registers per thread), all of them run in one wave with ~64 KiB per SM in
+# flight. The H200 sweep (`python3 -m tools.kernel_bench.fused_moe --sweep`, 2026-11-30, graph replay of
+# both launches) preferred one whole-H step per gate_up program and one hidden row per down program over
+# all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3); from T = 4 the default led or tied.
+_DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
+    (
+        16,
+        FusedMoeDecodeConfig(
+            gate_up_block_n=2, gate_up_block_k=2048, gate_up_warps=4,
+            down_block_h=1, down_block_i=512, down_experts=8, down_warps=2,
+        ),
+    ),  # fmt: skip
+    (1 << 62, FusedMoeDecodeConfig()),
+)
 
 
 def default_decode_config(num_pairs: int) -> FusedMoeDecodeConfig:

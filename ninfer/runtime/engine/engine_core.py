@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ninfer.runtime.contract.frontend import (
     OutputDeltaLike,
@@ -58,7 +59,6 @@ from ninfer.runtime.contract.types import (
     SequenceHandle,
     StalePlan,
     TokenLogprob,
-    validate_decisions,
 )
 from ninfer.runtime.engine.admission_policy import AdmissionPolicy
 from ninfer.runtime.engine.request_record import (
@@ -103,15 +103,14 @@ class EngineSnapshot:
 StepObserver = Callable[["EngineCore", Unit], None]
 
 
-@dataclass(frozen=True, slots=True)
-class _Unpublished:
+class _Unpublished(NamedTuple):
     """A committed row of a still-generating request whose OutputSession commit and publication wait
-    for the next decode unit to be launched."""
+    for the next decode unit to be launched. The row accepted all it produced (it is not terminal).
+    (A NamedTuple: one is built per row per round, and a frozen dataclass costs about 1 us more.)"""
 
     record: RequestRecord
     preview: OutputPreviewLike
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
+    row: PendingRow
 
 
 class EngineCore:
@@ -156,6 +155,12 @@ class EngineCore:
         self._laned: dict[int, RequestRecord] = {}  # requests holding a lane
         self._open_batch: PendingBatch | None = None
         self._unpublished: list[_Unpublished] = []  # see _publish_committed
+        # Boundary steps 3 and 4 look at the laned requests only when their input may have changed:
+        # a cancellation or an output error may have reached an active request since the last snapshot
+        # (every cancel puts a worker signal, taken at ingest; _publish_committed records output errors)
+        self._snapshot_due = False
+        # the last snapshot left requests TerminalPending, to be settled at the next boundary
+        self._settle_due = False
         self.observer: StepObserver | None = None
         self.units_run = 0
         self.baseline = program.usage()
@@ -233,10 +238,11 @@ class EngineCore:
         call (the finalizer only queued its id). Called by the worker at ingress, and by
         ``Engine.close`` once the worker is gone. Returns whether any handle was dropped."""
         dropped: list[int] = []
-        while True:
+        # empty() first: a boundary with no signal (steady decode) takes no exception path
+        while not self._signals.empty():
             try:
                 signal = self._signals.get_nowait()
-            except queue.Empty:
+            except queue.Empty:  # only if another thread took it meanwhile (the worker is the consumer)
                 break
             if signal is not None:
                 dropped.append(signal)
@@ -270,12 +276,13 @@ class EngineCore:
         """The worker loop: step until failed, or closed with nothing left; sleep when idle."""
         while True:
             did_work = self.step()
-            with self._lock:
-                if self._failed_reason is not None:
-                    return
-                if self._closing and not self._live and not self._ingress:
-                    self._availability = Availability("closed")
-                    return
+            if self._failed_reason is not None:  # set only by step(), on this thread
+                return
+            if self._closing:  # close() sets it under the lock, after which submit accepts nothing
+                with self._lock:
+                    if not self._live and not self._ingress:
+                        self._availability = Availability("closed")
+                        return
             if not did_work:
                 self._sleep(self._idle_timeout())
 
@@ -305,7 +312,7 @@ class EngineCore:
     def step(self) -> bool:
         """Run one worker boundary. Returns whether anything happened. Never raises: any Program error
         or broken invariant fails the Engine as a whole (see ``_fail``)."""
-        if self.failed:
+        if self._failed_reason is not None:  # only _fail sets it, on the stepping thread: no lock needed
             return False
         try:
             return self._boundary()
@@ -338,12 +345,12 @@ class EngineCore:
         did |= self._settle_terminal()
         did |= self._freeze_cancellations()
         did |= self._try_admit()
-        unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
+        unit = self._scheduler.next_unit(self._laned.values())
         # a decode unit publishes the deferred rows once it is on the device; anything else first. A failed
         # OutputSession commit there ends its request, which must then not get the chosen unit
         if (unit is None or unit.kind is not UnitKind.DECODE) and self._publish_committed():
             self._freeze_cancellations()
-            unit = self._scheduler.next_unit(r for r in self._laned.values() if r.state in ACTIVE_STATES)
+            unit = self._scheduler.next_unit(self._laned.values())
         if unit is not None:
             self._scheduler.started(unit)
             if self.observer is not None:
@@ -357,15 +364,23 @@ class EngineCore:
     def _ingest(self, now: float) -> bool:
         # signals first: a submission racing with this boundary then leaves its signal queued, and the
         # worker cannot sleep past it
-        did = self.settle_dropped_handles()
-        with self._lock:
-            arrived = list(self._ingress)
-            self._ingress.clear()
-        for record in arrived:
-            self._live[record.request_id] = record
-            self._scheduler.enqueue(record)
-            self._admission.invalidate()
-        did |= bool(arrived)
+        did = False
+        if not self._signals.empty():
+            self._snapshot_due = True  # it may be a cancellation's
+            did = self.settle_dropped_handles()
+        # an unlocked peek: submit appends under the lock and signals after it, so a request this peek
+        # misses left its signal queued (taken above), and the worker cannot sleep past it
+        if self._ingress:
+            with self._lock:
+                arrived = list(self._ingress)
+                self._ingress.clear()
+            for record in arrived:
+                self._live[record.request_id] = record
+                self._scheduler.enqueue(record)
+                self._admission.invalidate()
+            did = True
+        if not self._scheduler.has_waiting:
+            return did
         for record in self._scheduler.waiting:
             if record.channel.cancel_requested:
                 self._scheduler.take(record)
@@ -415,6 +430,11 @@ class EngineCore:
 
     # ---- 3. TerminalPending ----
     def _settle_terminal(self) -> bool:
+        # only a cancellation snapshot leaves a request TerminalPending across a boundary (a unit's
+        # terminal rows are released in the unit's commit)
+        if not self._settle_due:
+            return False
+        self._settle_due = False
         settled = [r for r in self._laned.values() if r.state is RequestState.TERMINAL_PENDING]
         for record in settled:
             self._release(record)
@@ -440,6 +460,9 @@ class EngineCore:
 
     # ---- 4. cancellation snapshot ----
     def _freeze_cancellations(self) -> bool:
+        if not self._snapshot_due:
+            return False
+        self._snapshot_due = False
         ended = [
             r
             for r in self._laned.values()
@@ -447,6 +470,7 @@ class EngineCore:
         ]
         for record in ended:
             self._enter_terminal(record, "cancelled" if record.output_error is None else "error")
+        self._settle_due |= bool(ended)
         return bool(ended)
 
     # ---- 5. admission ----
@@ -514,9 +538,25 @@ class EngineCore:
 
     # ---- 6-9. one execution unit ----
     def _run(self, unit: Unit) -> None:
-        if unit.kind is UnitKind.PREFILL:
+        if unit.kind is UnitKind.DECODE:
+            handles: list[SequenceHandle] = []
+            budgets: list[int] = []
+            for record in unit.members:
+                handles.append(self._handle(record))
+                budgets.append(record.remaining_budget)
+            batch = self._program.decode(handles, budgets, while_running=self._publish_committed)
+            self._open_batch = batch
+            if self._unpublished:  # the Program did not call back: the preview below needs it
+                self._publish_committed()
+            if batch.kind != "decode" or [row.handle for row in batch.rows] != handles:
+                raise EngineInvariantError(f"decode returned a batch whose membership differs: {batch!r}")
+            for row, budget in zip(batch.rows, budgets):
+                if not 1 <= len(row.tokens) <= budget:
+                    raise EngineInvariantError(f"decode produced {len(row.tokens)} tokens, budget {budget}")
+            self._commit_unit(batch, unit.members)
+        elif unit.kind is UnitKind.PREFILL:
             self._run_prefill(unit.members[0])
-        elif unit.kind is UnitKind.CONTROL:
+        else:
             record = unit.members[0]
             handle = self._handle(record)
             batch = self._program.force(handle, record.pending_force)
@@ -525,18 +565,6 @@ class EngineCore:
                 raise EngineInvariantError(f"force returned a mismatched batch {batch!r}")
             if batch.rows[0].tokens != record.pending_force:
                 raise EngineInvariantError("force produced tokens other than the forced ones")
-            self._commit_unit(batch, unit.members)
-        else:
-            handles = [self._handle(r) for r in unit.members]
-            budgets = [r.remaining_budget for r in unit.members]
-            batch = self._program.decode(handles, budgets, while_running=self._publish_committed)
-            self._open_batch = batch
-            self._publish_committed()  # if the Program did not call back: the preview below needs it
-            if batch.kind != "decode" or [row.handle for row in batch.rows] != handles:
-                raise EngineInvariantError(f"decode returned a batch whose membership differs: {batch!r}")
-            for row, budget in zip(batch.rows, budgets):
-                if not 1 <= row.produced <= budget:
-                    raise EngineInvariantError(f"decode produced {row.produced} tokens, budget {budget}")
             self._commit_unit(batch, unit.members)
 
     def _run_prefill(self, record: RequestRecord) -> None:
@@ -568,11 +596,16 @@ class EngineCore:
         """Preview -> Program commit -> terminal resources -> budget -> OutputSession commit -> publish.
 
         An exception from one row's OutputSession ends only that request (``RequestFailed``): in
-        preview it becomes a cancelled row, so the batch is still consumed whole by one commit."""
-        previews: list[OutputPreviewLike | None] = []
+        preview it becomes a cancelled row, so the batch is still consumed whole by one commit.
+        The caller checked the rows' membership: one row per member, in order, with its handle."""
+        sampled = batch.kind != "force"
         decisions: list[RowDecision] = []
-        reasons: list[FinishReason | None] = []
-        errors: list[RequestFailed | None] = []
+        # rows that go on generating (they accept all they produced), and rows whose request ends here:
+        # (row, record, preview or None if cancelled, reason, error); both in row order
+        continuing: list[_Unpublished] = []
+        ending: list[
+            tuple[PendingRow, RequestRecord, OutputPreviewLike | None, FinishReason, RequestFailed | None]
+        ] = []
         for row, record in zip(batch.rows, members):
             preview: OutputPreviewLike | None = None
             error = record.output_error  # a deferred OutputSession commit failed while the unit ran
@@ -582,71 +615,66 @@ class EngineCore:
                     preview = record.session.preview(row.tokens)
                 except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
                     error = self._output_error(record, "preview", exc)
-            previews.append(preview)
-            errors.append(error)
             if preview is None:
                 decisions.append(RowDecision(row.handle, 0, terminal=True, cancelled=True))
-                reasons.append("error" if error is not None else "cancelled")
+                ending.append((row, record, None, "error" if error is not None else "cancelled", error))
                 continue
             accepted = preview.accepted
-            if not 1 <= accepted <= row.produced or (accepted < row.produced and not preview.stop):
+            produced = len(row.tokens)
+            if not 1 <= accepted <= produced or (accepted < produced and not preview.stop):
                 raise EngineInvariantError(
-                    f"Frontend preview accepted {accepted} of {row.produced} tokens (stop={preview.stop})"
+                    f"Frontend preview accepted {accepted} of {produced} tokens (stop={preview.stop})"
                 )
             if (
-                record.plan.logprobs.enabled
-                and batch.kind != "force"
-                and (row.logprobs is None or len(row.logprobs) != row.produced)
+                sampled
+                and record.plan.logprobs.enabled
+                and (row.logprobs is None or len(row.logprobs) != produced)
             ):
                 raise EngineInvariantError("a row of a logprob request lacks one logprob per token")
             reason: FinishReason | None = None
             if preview.stop:
                 reason = "stop"
-            elif record.generated + accepted >= record.max_new_tokens:
+            elif record.generated + accepted >= record.plan.max_new_tokens:
                 reason = "length"
-            decisions.append(RowDecision(row.handle, accepted, terminal=reason is not None))
-            reasons.append(reason)
-        validate_decisions(batch, decisions)
+            if reason is None:
+                decisions.append(RowDecision(row.handle, accepted))
+                continuing.append(_Unpublished(record, preview, row))
+            else:
+                decisions.append(RowDecision(row.handle, accepted, terminal=True))
+                ending.append((row, record, preview, reason, None))
+        # No validate_decisions here: the Program runs it in commit (contract rules 5-6: a mismatched
+        # disposition is its ProgramInvariantError, which fails the Engine), and these decisions are
+        # legal by construction: one per row, in row order, with the row's handle; a cancelled row
+        # accepts 0 and is terminal; every other row passed the accepted/produced/stop check above, and
+        # one that accepts fewer than it produced stops, so it is terminal.
 
         # Program commits the accepted model state first; nothing is visible before this succeeds.
         self._program.commit(batch, decisions)
         self._open_batch = None
 
         # terminal resource results, adopted before any lane or output change becomes visible
-        for record, reason in zip(members, reasons):
-            if reason is not None:
-                self._enter_terminal(record, reason)
-                self._release(record)
+        for _row, record, _preview, reason, _error in ending:
+            self._enter_terminal(record, reason)
+            self._release(record)
 
         # generation budget and scheduler accounting
-        for record, decision, preview, reason in zip(members, decisions, previews, reasons):
-            record.generated += decision.accepted_tokens
+        for _row, record, preview, _reason, _error in ending:
+            if preview is not None:  # a cancelled row accepts nothing
+                record.generated += preview.accepted
+        for record, preview, row in continuing:
+            record.generated += len(row.tokens)
             if record.state is RequestState.PREFILL:
                 record.prompt_remaining = 0
                 self._scheduler.unstage(record)
                 self._admission.invalidate()
-            if reason is None:
-                assert preview is not None
-                force = tuple(preview.force_tokens)[: record.remaining_budget]
-                record.pending_force = force
-                record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY
+            force = tuple(preview.force_tokens)[: record.remaining_budget] if preview.force_tokens else ()
+            record.pending_force = force
+            record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY
 
         # OutputSession commits, then publication: for rows that go on generating, once the next decode
         # unit is on the device (_publish_committed)
-        for row, record, decision, preview, reason, error in zip(
-            batch.rows, members, decisions, previews, reasons, errors
-        ):
-            if preview is not None and reason is None:
-                accepted = decision.accepted_tokens
-                self._unpublished.append(
-                    _Unpublished(
-                        record,
-                        preview,
-                        tuple(row.tokens[:accepted]),
-                        self._row_logprobs(record, row, accepted),
-                    )
-                )
-                continue
+        self._unpublished.extend(continuing)
+        for row, record, preview, reason, error in ending:
             if preview is not None:
                 try:
                     out = record.session.commit(preview)
@@ -655,11 +683,10 @@ class EngineCore:
                     reason = "error"  # a terminal row: its resources are already released above
                 else:
                     record.output_touched = True
-                    accepted = decision.accepted_tokens
+                    accepted = preview.accepted  # the row was not cancelled: its decision's count
                     logprobs = self._row_logprobs(record, row, accepted)
                     self._publish_delta(record, out, tuple(row.tokens[:accepted]), logprobs)
-            if reason is not None:
-                self._finish(record, reason, error)
+            self._finish(record, reason, error)
 
     @staticmethod
     def _row_logprobs(
@@ -684,16 +711,17 @@ class EngineCore:
             return False
         rows, self._unpublished = self._unpublished, []
         failed = False
-        for row in rows:
-            record = row.record
+        for record, preview, row in rows:
             try:
-                out = record.session.commit(row.preview)
+                out = record.session.commit(preview)
             except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
                 record.output_error = self._output_error(record, "commit", exc)
+                self._snapshot_due = True
                 failed = True
                 continue
             record.output_touched = True
-            self._publish_delta(record, out, row.token_ids, row.logprobs)
+            produced = len(row.tokens)  # all of them accepted
+            self._publish_delta(record, out, tuple(row.tokens), self._row_logprobs(record, row, produced))
         return failed
 
     def _output_error(self, record: RequestRecord, call: str, exc: Exception) -> RequestFailed:

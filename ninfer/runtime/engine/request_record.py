@@ -75,7 +75,9 @@ class ResponseChannel:
         self._ready = threading.Condition(self._lock)
         self._events: deque[GenerationEvent] = deque()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._cancel_requested = False
+        # set under the lock by consumer threads; the worker reads it at its boundaries and for every row
+        # of every unit, so it is a plain attribute rather than a property (a bool read needs no lock)
+        self.cancel_requested = False
         self._response_done = False
         self._consumer_released = False
         self._final_taken = False
@@ -83,10 +85,6 @@ class ResponseChannel:
         self.capacity_release_count = 0  # observable for tests: must end at exactly 1
 
     # ---- flags (read by the worker at its boundaries) ----
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel_requested
-
     @property
     def response_done(self) -> bool:
         return self._response_done
@@ -120,7 +118,7 @@ class ResponseChannel:
         with self._lock:
             if self._response_done:
                 return
-            self._cancel_requested = True
+            self.cancel_requested = True
         self._signals.put(None)
 
     def abandon(self, *, wake_worker: bool = True) -> None:
@@ -128,7 +126,7 @@ class ResponseChannel:
         release. Takes locks: call it from ordinary code only, never from a finalizer."""
         with self._lock:
             if not self._response_done:
-                self._cancel_requested = True
+                self.cancel_requested = True
             self._consumer_released = True
             release = self._take_capacity_locked()
         if wake_worker:

@@ -11,6 +11,7 @@ import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from ninfer.runtime.engine.request_record import RequestRecord, RequestState
 
@@ -21,7 +22,7 @@ class UnitKind(enum.Enum):
     DECODE = "decode"  # one compact round of exactly the decode-ready requests
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     """One model execution unit: what runs and for whom (rows in this order, exact B)."""
 
@@ -41,15 +42,21 @@ class Scheduler:
     def __init__(self) -> None:
         self._waiting: deque[RequestRecord] = deque()
         self.staged: RequestRecord | None = None  # staged-prefill owner: Materializing or Prefill
-        self._last_kind: UnitKind | None = None
+        self._decode_first = False  # the last unit was a prefill chunk or forced control
         self._last_nondecode: UnitKind | None = None
         self.protected_head: int | None = None  # request id of a head blocked by active incumbents
         self.donors: frozenset[int] = frozenset()  # incumbents that must end for the head to enter
+        # the last decode round built, keyed by the decode-ready requests in the order they were offered
+        self._decode_round: tuple[list[RequestRecord], Unit] | None = None
 
     # ---- FIFO ----
     @property
     def waiting(self) -> tuple[RequestRecord, ...]:
         return tuple(self._waiting)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
 
     def enqueue(self, record: RequestRecord) -> None:
         self._waiting.append(record)
@@ -90,25 +97,39 @@ class Scheduler:
         self.donors = frozenset()
 
     # ---- execution units ----
-    def next_unit(self, active: Iterable[RequestRecord]) -> Unit | None:
-        """Choose at most one execution unit among the active requests (after cancellations froze).
+    def next_unit(self, laned: Iterable[RequestRecord]) -> Unit | None:
+        """Choose at most one execution unit among the requests holding a lane (after cancellations
+        froze): the decode-ready and control-ready ones, and the staged prefill.
 
         Pure: the fairness state moves only when the unit runs (`started`), so a choice the worker
-        discards (it re-chooses after a request ended meanwhile) leaves no trace."""
+        discards (it re-chooses after a request ended meanwhile) leaves no trace. (The last decode
+        round it keeps is only a cache of its own answer, never an input to the choice.)"""
+        decode_state, control_state = RequestState.DECODE_READY, RequestState.CONTROL_READY
         decode_ready: list[RequestRecord] = []
         control_ready: list[RequestRecord] = []
-        for r in active:
-            if r.state is RequestState.DECODE_READY:
+        for r in laned:
+            state = r.state
+            if state is decode_state:
                 decode_ready.append(r)
-            elif r.state is RequestState.CONTROL_READY:
+            elif state is control_state:
                 control_ready.append(r)
-        decode_ready.sort(key=lambda r: r.publication_order)
+        if not decode_ready:
+            self._decode_round = None  # let the last round's (finished) requests go
         staged = self.staged
         prefill = staged if staged is not None and staged.state is RequestState.PREFILL else None
-        control = min(control_ready, key=lambda r: r.publication_order) if control_ready else None
+        control = min(control_ready, key=_by_publication) if control_ready else None
 
-        if decode_ready and self._last_kind in (UnitKind.PREFILL, UnitKind.CONTROL):
-            return Unit(UnitKind.DECODE, tuple(decode_ready))
+        # decode goes first after a prefill or control unit, else only when neither of those waits
+        if decode_ready and (self._decode_first or (prefill is None and control is None)):
+            # exactly the decode-ready requests, rows in publication order. Steady decode offers the
+            # same requests in the same order every round and gets the same, immutable Unit back (the
+            # round keeps its records alive, so an identical list means identical requests)
+            last = self._decode_round
+            if last is not None and last[0] == decode_ready:  # records compare by identity
+                return last[1]
+            unit = Unit(UnitKind.DECODE, tuple(sorted(decode_ready, key=_by_publication)))
+            self._decode_round = (decode_ready, unit)
+            return unit
         if prefill is not None and control is not None:
             # alternate the two non-decode kinds so neither starves the other
             if self._last_nondecode is UnitKind.CONTROL:
@@ -118,14 +139,12 @@ class Scheduler:
             return Unit(UnitKind.CONTROL, (control,))
         if prefill is not None:
             return Unit(UnitKind.PREFILL, (prefill,))
-        if decode_ready:
-            return Unit(UnitKind.DECODE, tuple(decode_ready))
         return None
 
     def started(self, unit: Unit) -> None:
         """Record that ``unit`` runs: the fairness gates of the next choice depend on it."""
-        self._last_kind = unit.kind
-        if unit.kind is not UnitKind.DECODE:
+        self._decode_first = unit.kind is not UnitKind.DECODE
+        if self._decode_first:
             self._last_nondecode = unit.kind
 
     def clear(self) -> list[RequestRecord]:
@@ -134,4 +153,8 @@ class Scheduler:
         self._waiting.clear()
         self.staged = None
         self.clear_protection()
+        self._decode_round = None
         return waiting
+
+
+_by_publication = attrgetter("publication_order")

@@ -1,8 +1,9 @@
 """CUDA graphs for the decode unit, one per exact batch size ``B`` (1..max_concurrency).
 
 A graph reads one static buffer: the step's packed host facts (`step.PackedStep`: token ids,
-positions, KV slots, context lengths, state slots, fresh flags, sequence indices), copied in with one
-host-to-device copy before replay. Unpacking them into the model's `StepBatch` (casts, the block-table
+positions, KV slots, context lengths, state slots, fresh flags, sequence indices), written as a plain
+list (`StepBuilder.decode_values`) into a pinned staging buffer and copied in with one host-to-device
+copy before replay. Unpacking them into the model's `StepBatch` (casts, the block-table
 gather) is part of the captured work. Request identity and page ids are data, never part of the key,
 so one graph per ``B`` serves every mix of requests. Graphs share one memory pool and are captured
 once, at Program construction (warmup), never on the request path.
@@ -26,6 +27,7 @@ class _Graph:
         # synchronous transfer; reusing it is safe because each decode reads its tokens back (a full
         # sync) before the next `run`
         self.staging = torch.empty_like(self.inputs.values, device="cpu").pin_memory()
+        self.staging_array = self.staging.numpy()  # the same memory: a list is written in with no tensor
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
@@ -53,15 +55,16 @@ class DecodeGraphs:
     def sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, step: PackedStep) -> tuple[torch.Tensor, PackedStep]:
-        """Copy the host ``step`` (one token per row) in and replay: (logits, the step on the device).
+    def run(self, values: list[int], rows: int) -> tuple[torch.Tensor, PackedStep]:
+        """Copy a decode step's packed ``values`` (`StepBuilder.decode_values`, ``rows`` rows) in and
+        replay: (logits, the step on the device).
 
         The device step is the graph's static buffer: valid until the next `run`.
         """
-        g = self._graphs[step.num_rows]
-        g.staging.copy_(step.values)
+        g = self._graphs[rows]
+        g.staging_array[:] = values
         g.inputs.values.copy_(g.staging, non_blocking=True)
         g.graph.replay()
-        self.replays[step.num_rows] = self.replays.get(step.num_rows, 0) + 1
+        self.replays[rows] = self.replays.get(rows, 0) + 1
         assert g.logits is not None
         return g.logits, g.inputs

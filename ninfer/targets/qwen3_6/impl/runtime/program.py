@@ -399,9 +399,10 @@ class Qwen36Program:
         logits: str,
     ) -> tuple[torch.Tensor | None, PackedStep]:
         """Run one step: (its logits, its packed facts on the device, read by the sampler)."""
+        if self._graphs is not None and logits == "last" and all(len(row) == 1 for row in inputs):
+            values = self._steps.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
+            return self._graphs.run(values, len(seqs))
         packed = self._steps.pack(seqs, inputs, write_spare=write_spare)
-        if self._graphs is not None and logits == "last" and packed.is_decode:
-            return self._graphs.run(packed)
         step = self._steps.to_device(packed)
         batch = self._steps.unpack(step)
         out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)

@@ -6,12 +6,15 @@ slots, row bounds, context lengths, state slots, fresh flags, sequence indices) 
 copy; `unpack` turns the device copy into the `StepBatch` views, gathering the rows' block tables from
 the device-resident table (one row per sequence index, written at materialization). A captured decode
 graph runs `unpack` inside the graph over its static packed buffer, so a decode step costs the host
-one copy and one replay.
+one copy and one replay. A decode step (one token per row, the common case between two decode rounds)
+has its own short path to the same layout, `decode_values`, which the graph writes straight into its
+pinned staging buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,9 +53,14 @@ class PackedStep:
     def is_decode(self) -> bool:
         return self.num_tokens == self.num_rows
 
-    def fields(self) -> StepFields:
+    @functools.cached_property
+    def _fields(self) -> StepFields:
         n, b = self.num_tokens, self.num_rows
         return StepFields(*self.values.split([n, n, n, b + 1, b, b, b, b, b]))
+
+    def fields(self) -> StepFields:
+        """Views of `values`, made once (a decode graph's static input serves every replay)."""
+        return self._fields
 
 
 class StepBuilder:
@@ -69,6 +77,16 @@ class StepBuilder:
         ``write_spare``: the final GDN state goes to the sequence's spare slot (provisional, flipped on
         commit); otherwise back into its current slot (a prefill chunk that commits directly).
         """
+        if all(len(row) == 1 for row in inputs):
+            values = self.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
+            b = len(seqs)
+            return PackedStep(
+                torch.tensor(values, dtype=torch.long),
+                b,
+                b,
+                tuple(range(b + 1)),
+                tuple(s.frontier + 1 for s in seqs),
+            )
         ps = self.page_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -94,6 +112,25 @@ class StepBuilder:
             state_in=[s.slot for s in seqs],
             state_out=[s.spare if write_spare else s.slot for s in seqs],
             fresh=[int(s.frontier == 0) for s in seqs],  # start from zero GDN state
+            sequence_index=[s.handle.index for s in seqs],
+        )
+
+    def decode_values(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[int], *, write_spare: bool
+    ) -> list[int]:
+        """`pack`'s values for one token per row (``tokens[r]`` at position ``frontier`` of ``seqs[r]``) as a
+        plain list: the decode round's short path (no per-page loop, no tensor)."""
+        ps = self.page_size
+        positions = [s.frontier for s in seqs]
+        return _layout(
+            [int(t) for t in tokens],
+            positions,
+            [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)],
+            list(range(len(seqs) + 1)),
+            context_lens=[p + 1 for p in positions],
+            state_in=[s.slot for s in seqs],
+            state_out=[s.spare if write_spare else s.slot for s in seqs],
+            fresh=[int(p == 0) for p in positions],
             sequence_index=[s.handle.index for s in seqs],
         )
 
@@ -151,10 +188,37 @@ def _packed(
     fresh: list[int],
     sequence_index: list[int],
 ) -> PackedStep:
-    """The one place the layout of `StepFields` is written."""
     values = torch.tensor(
-        tokens + positions + slot_mapping + query_start + context_lens + state_in + state_out + fresh
-        + sequence_index,
+        _layout(
+            tokens,
+            positions,
+            slot_mapping,
+            query_start,
+            context_lens=context_lens,
+            state_in=state_in,
+            state_out=state_out,
+            fresh=fresh,
+            sequence_index=sequence_index,
+        ),
         dtype=torch.long,
-    )  # fmt: skip
+    )
     return PackedStep(values, len(tokens), len(state_in), tuple(query_start), tuple(context_lens))
+
+
+def _layout(
+    tokens: list[int],
+    positions: list[int],
+    slot_mapping: list[int],
+    query_start: list[int],
+    *,
+    context_lens: list[int],
+    state_in: list[int],
+    state_out: list[int],
+    fresh: list[int],
+    sequence_index: list[int],
+) -> list[int]:
+    """The one place the layout of `StepFields` is written."""
+    return (
+        tokens + positions + slot_mapping + query_start + context_lens + state_in + state_out + fresh
+        + sequence_index
+    )  # fmt: skip
