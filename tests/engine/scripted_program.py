@@ -364,9 +364,9 @@ class ScriptedProgram:
         self._enter("commit")
         if pending is not self._open:
             raise ProgramInvariantError("commit of a batch that is not the open one")
+        validate_decisions(pending, decisions)  # an illegal disposition leaves the batch open (abortable)
         pending._consume()
         self._open = None
-        validate_decisions(pending, decisions)
         for row, decision in zip(pending.rows, decisions):
             seq = self._seq(row.handle)
             if pending.kind == "prefill":

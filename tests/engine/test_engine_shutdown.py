@@ -92,3 +92,26 @@ def test_score_after_close_says_the_engine_is_closed() -> None:
     with pytest.raises(EngineFailed) as err:
         engine.score(["abc"])
     assert "closed" in err.value.message and "None" not in err.value.message
+
+
+def test_close_without_a_worker_thread_cancels_an_active_request_at_the_next_boundary() -> None:
+    """`close()` on an Engine stepped by hand takes the cancellations' signals on the closing thread
+    (`settle_dropped_handles`); the next boundary's cancellation snapshot must still look, so the
+    prefilling request runs no further unit."""
+    from ninfer.runtime.engine.request_record import RequestState
+
+    program = ScriptedProgram(max_concurrency=1, max_context=256, page_size=4, kv_pages=128, eos_period=0)
+    engine, program, _ = make_engine(program=program, max_concurrency=1, prefill_chunk_tokens=4)
+    handle = engine.submit(GenerationRequest(prompt="x" * 120, max_tokens=5, seed=1))
+    for _ in range(4):
+        engine.core.step()
+    assert engine.core.snapshot().states[1] is RequestState.PREFILL
+    calls_before = len(program.call_log)
+    engine.close()
+    for _ in range(10):
+        if engine.core.idle:
+            break
+        engine.core.step()
+    assert engine.core.idle
+    assert handle.result(raise_on_error=False).finish_reason == "cancelled"
+    assert "prefill" not in program.call_log[calls_before:]

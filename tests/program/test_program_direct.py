@@ -102,6 +102,8 @@ def test_abort_pending_leaves_state_and_contract_checks() -> None:
     pending = program.decode([h], [5])
     with pytest.raises(ProgramInvariantError):
         program.decode([h], [5])  # unconsumed batch
+    with pytest.raises(ProgramInvariantError):
+        program.commit(pending, [RowDecision(h, 0)])  # an illegal disposition: the batch stays open
     program.abort_pending(pending)
     with pytest.raises(ProgramInvariantError):
         program.commit(pending, [RowDecision(h, 1)])  # consumed twice

@@ -165,7 +165,8 @@ class FusedMoeDecodeConfig:
 # programs fit on an SM (<= 128 registers per thread), all of them run in one wave with ~64 KiB per SM in
 # flight. The H200 sweep (`python3 -m tools.kernel_bench.fused_moe --sweep`, 2026-11-30, graph replay of
 # both launches) preferred one whole-H step per gate_up program and one hidden row per down program over
-# all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3); from T = 4 the default led or tied.
+# all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3; keyed by T*K <= 16, i.e. T <= 2 at
+# Qwen3.6's K = 8); from T = 4 the default led or tied.
 _DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
     (
         16,

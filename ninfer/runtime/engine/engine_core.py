@@ -113,6 +113,17 @@ class _Unpublished(NamedTuple):
     row: PendingRow
 
 
+class _Ending(NamedTuple):
+    """A row of a unit whose request ends with it (stop, length, cancel, error): committed, then its
+    resources released and its response completed in the same boundary."""
+
+    row: PendingRow
+    record: RequestRecord
+    preview: OutputPreviewLike | None  # None: a cancelled row (cancellation or an output error)
+    reason: FinishReason
+    error: RequestFailed | None
+
+
 class EngineCore:
     """The Engine worker (see module docstring). Construct, then ``start_thread()`` or call ``step()``."""
 
@@ -157,9 +168,10 @@ class EngineCore:
         self._unpublished: list[_Unpublished] = []  # see _publish_committed
         # Boundary steps 3 and 4 look at the laned requests only when their input may have changed:
         # a cancellation or an output error may have reached an active request since the last snapshot
-        # (every cancel puts a worker signal, taken at ingest; _publish_committed records output errors)
+        # (every cancel puts a worker signal, see settle_dropped_handles; _publish_committed records
+        # output errors)
         self._snapshot_due = False
-        # the last snapshot left requests TerminalPending, to be settled at the next boundary
+        # a request entered TerminalPending since the last settle step (_enter_terminal)
         self._settle_due = False
         self.observer: StepObserver | None = None
         self.units_run = 0
@@ -244,6 +256,9 @@ class EngineCore:
                 signal = self._signals.get_nowait()
             except queue.Empty:  # only if another thread took it meanwhile (the worker is the consumer)
                 break
+            # any signal may be a cancellation's (cancel and abandon put one after setting the flag), and
+            # whichever thread takes it, the next cancellation snapshot must look
+            self._snapshot_due = True
             if signal is not None:
                 dropped.append(signal)
         for request_id in dropped:
@@ -364,12 +379,9 @@ class EngineCore:
     def _ingest(self, now: float) -> bool:
         # signals first: a submission racing with this boundary then leaves its signal queued, and the
         # worker cannot sleep past it
-        did = False
-        if not self._signals.empty():
-            self._snapshot_due = True  # it may be a cancellation's
-            did = self.settle_dropped_handles()
+        did = self.settle_dropped_handles()
         # an unlocked peek: submit appends under the lock and signals after it, so a request this peek
-        # misses left its signal queued (taken above), and the worker cannot sleep past it
+        # misses still has its signal queued, and the worker cannot sleep past it
         if self._ingress:
             with self._lock:
                 arrived = list(self._ingress)
@@ -430,8 +442,8 @@ class EngineCore:
 
     # ---- 3. TerminalPending ----
     def _settle_terminal(self) -> bool:
-        # only a cancellation snapshot leaves a request TerminalPending across a boundary (a unit's
-        # terminal rows are released in the unit's commit)
+        # nothing entered TerminalPending since the last look (in steady decode nothing does; a unit's
+        # terminal rows are released in the unit's own commit, the cancellation snapshot's are settled here)
         if not self._settle_due:
             return False
         self._settle_due = False
@@ -452,6 +464,7 @@ class EngineCore:
     def _enter_terminal(self, record: RequestRecord, reason: FinishReason) -> None:
         self._rm.enter_terminal(record)
         record.state = RequestState.TERMINAL_PENDING
+        self._settle_due = True  # whoever leaves it TerminalPending, the next settle step looks
         record.finish_reason = reason
         record.pending_force = ()
         if self._scheduler.staged is record:
@@ -470,7 +483,6 @@ class EngineCore:
         ]
         for record in ended:
             self._enter_terminal(record, "cancelled" if record.output_error is None else "error")
-        self._settle_due |= bool(ended)
         return bool(ended)
 
     # ---- 5. admission ----
@@ -600,12 +612,10 @@ class EngineCore:
         The caller checked the rows' membership: one row per member, in order, with its handle."""
         sampled = batch.kind != "force"
         decisions: list[RowDecision] = []
-        # rows that go on generating (they accept all they produced), and rows whose request ends here:
-        # (row, record, preview or None if cancelled, reason, error); both in row order
+        # rows that go on generating (they accept all they produced) and rows whose request ends here,
+        # both in row order
         continuing: list[_Unpublished] = []
-        ending: list[
-            tuple[PendingRow, RequestRecord, OutputPreviewLike | None, FinishReason, RequestFailed | None]
-        ] = []
+        ending: list[_Ending] = []
         for row, record in zip(batch.rows, members):
             preview: OutputPreviewLike | None = None
             error = record.output_error  # a deferred OutputSession commit failed while the unit ran
@@ -617,7 +627,8 @@ class EngineCore:
                     error = self._output_error(record, "preview", exc)
             if preview is None:
                 decisions.append(RowDecision(row.handle, 0, terminal=True, cancelled=True))
-                ending.append((row, record, None, "error" if error is not None else "cancelled", error))
+                cancelled_as: FinishReason = "error" if error is not None else "cancelled"
+                ending.append(_Ending(row, record, None, cancelled_as, error))
                 continue
             accepted = preview.accepted
             produced = len(row.tokens)
@@ -641,7 +652,7 @@ class EngineCore:
                 continuing.append(_Unpublished(record, preview, row))
             else:
                 decisions.append(RowDecision(row.handle, accepted, terminal=True))
-                ending.append((row, record, preview, reason, None))
+                ending.append(_Ending(row, record, preview, reason, None))
         # No validate_decisions here: the Program runs it in commit (contract rules 5-6: a mismatched
         # disposition is its ProgramInvariantError, which fails the Engine), and these decisions are
         # legal by construction: one per row, in row order, with the row's handle; a cancelled row
@@ -653,14 +664,14 @@ class EngineCore:
         self._open_batch = None
 
         # terminal resource results, adopted before any lane or output change becomes visible
-        for _row, record, _preview, reason, _error in ending:
-            self._enter_terminal(record, reason)
-            self._release(record)
+        for end in ending:
+            self._enter_terminal(end.record, end.reason)
+            self._release(end.record)
 
         # generation budget and scheduler accounting
-        for _row, record, preview, _reason, _error in ending:
-            if preview is not None:  # a cancelled row accepts nothing
-                record.generated += preview.accepted
+        for end in ending:
+            if end.preview is not None:  # a cancelled row accepts nothing
+                end.record.generated += end.preview.accepted
         for record, preview, row in continuing:
             record.generated += len(row.tokens)
             if record.state is RequestState.PREFILL:

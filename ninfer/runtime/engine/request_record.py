@@ -76,7 +76,9 @@ class ResponseChannel:
         self._events: deque[GenerationEvent] = deque()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # set under the lock by consumer threads; the worker reads it at its boundaries and for every row
-        # of every unit, so it is a plain attribute rather than a property (a bool read needs no lock)
+        # of every unit, so it is a plain attribute rather than a property (a bool read needs no lock).
+        # Only cancel() and abandon() may set it: they also put the worker signal without which the
+        # worker's cancellation snapshot does not look (EngineCore._snapshot_due)
         self.cancel_requested = False
         self._response_done = False
         self._consumer_released = False
@@ -224,10 +226,6 @@ class RequestRecord:
     # a deferred OutputSession commit failed (EngineCore._publish_committed): the request ends with this
     # error at its next boundary or unit, as a cancelled row
     output_error: NInferError | None = None
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.plan.max_new_tokens
 
     @property
     def remaining_budget(self) -> int:

@@ -358,9 +358,9 @@ class Qwen36Program:
 
     def commit(self, pending: PendingBatch, decisions: Sequence[RowDecision]) -> None:
         self._check_pending(pending)
+        validate_decisions(pending, decisions)  # an illegal disposition leaves the batch open (abortable)
         pending._consume()
         self._open_pending = None
-        validate_decisions(pending, decisions)
         provisional: _Provisional = pending.provisional
         for row, decision, consumed in zip(pending.rows, decisions, provisional.consumed):
             seq = self._sequence(row.handle)
