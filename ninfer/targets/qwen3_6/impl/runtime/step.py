@@ -79,14 +79,7 @@ class StepBuilder:
         """
         if all(len(row) == 1 for row in inputs):
             values = self.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
-            b = len(seqs)
-            return PackedStep(
-                torch.tensor(values, dtype=torch.long),
-                b,
-                b,
-                tuple(range(b + 1)),
-                tuple(s.frontier + 1 for s in seqs),
-            )
+            return _packed(values, len(seqs), range(len(seqs) + 1), [s.frontier + 1 for s in seqs])
         ps = self.page_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -103,17 +96,19 @@ class StepBuilder:
                 offset = seq.pages[page] * ps - page * ps  # slot of position p on this page: offset + p
                 slot_mapping.extend(range(offset + first, offset + stop))
             query_start.append(len(tokens))
-        return _packed(
+        context_lens = [s.frontier + len(row) for s, row in zip(seqs, inputs)]
+        values = _layout(
             tokens,
             positions,
             slot_mapping,
             query_start,
-            context_lens=[s.frontier + len(row) for s, row in zip(seqs, inputs)],
+            context_lens=context_lens,
             state_in=[s.slot for s in seqs],
             state_out=[s.spare if write_spare else s.slot for s in seqs],
             fresh=[int(s.frontier == 0) for s in seqs],  # start from zero GDN state
             sequence_index=[s.handle.index for s in seqs],
         )
+        return _packed(values, len(tokens), query_start, context_lens)
 
     def decode_values(
         self, seqs: Sequence[SequenceState], tokens: Sequence[int], *, write_spare: bool
@@ -139,7 +134,7 @@ class StepBuilder:
         """A decode step for graph capture: every row reads and writes ``scratch_slot`` and KV slot 0 of
         page 0 (which no committed state depends on), context length 1, sequence index 0's table row."""
         b, zeros = num_rows, [0] * num_rows
-        packed = _packed(
+        values = _layout(
             zeros,
             zeros,
             zeros,
@@ -150,6 +145,7 @@ class StepBuilder:
             fresh=zeros,
             sequence_index=zeros,
         )
+        packed = _packed(values, b, range(b + 1), [1] * b)
         return dataclasses.replace(packed, values=packed.values.to(device))
 
     def to_device(self, packed: PackedStep) -> PackedStep:
@@ -177,32 +173,16 @@ class StepBuilder:
 
 
 def _packed(
-    tokens: list[int],
-    positions: list[int],
-    slot_mapping: list[int],
-    query_start: list[int],
-    *,
-    context_lens: list[int],
-    state_in: list[int],
-    state_out: list[int],
-    fresh: list[int],
-    sequence_index: list[int],
+    values: list[int], num_tokens: int, query_start: Sequence[int], context_lens: Sequence[int]
 ) -> PackedStep:
-    values = torch.tensor(
-        _layout(
-            tokens,
-            positions,
-            slot_mapping,
-            query_start,
-            context_lens=context_lens,
-            state_in=state_in,
-            state_out=state_out,
-            fresh=fresh,
-            sequence_index=sequence_index,
-        ),
-        dtype=torch.long,
+    """The host `PackedStep` over ``values`` (`_layout`), with host copies of two of its fields."""
+    return PackedStep(
+        torch.tensor(values, dtype=torch.long),
+        num_tokens,
+        len(context_lens),
+        tuple(query_start),
+        tuple(context_lens),
     )
-    return PackedStep(values, len(tokens), len(state_in), tuple(query_start), tuple(context_lens))
 
 
 def _layout(
