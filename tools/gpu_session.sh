@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
-# and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests, attn, gemm, fla, moe,
-# small, routegemv, the sweeps, bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27,
-# hostround27/35, skinny, graphlaunch, pdlprofile, pdloff8, chunk8k, start27: a synthetic full-size 27B
-# artifact loaded by bench).
+# and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests and its two halves
+# graphtest / fastpathtests, gemmmoetests, attn, gemm, fla, moe, small, routegemv, the sweeps,
+# bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27, hostround27/35, skinny,
+# graphlaunch, pdlprofile, pdloff8, chunk8k, start27: a synthetic full-size 27B artifact loaded by bench).
+# Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
