@@ -3,7 +3,8 @@
 # and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests and its two halves
 # graphtest / fastpathtests, gemmmoetests, attn, gemm, fla, moe, small, routegemv, the sweeps,
 # bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27, hostround27/35, skinny,
-# graphlaunch, pdlprofile, pdloff8, chunk8k, start27: a synthetic full-size 27B artifact loaded by bench).
+# chain (GEMV tiles timed back to back, as in the graph), graphlaunch, pdlprofile, pdloff8, chunk8k,
+# start27: a synthetic full-size 27B artifact loaded by bench).
 # Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
@@ -40,6 +41,7 @@ for step in "$@"; do
     timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
     hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
     hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch 8 ;;
+    chain) timeout 200 python3 -m tools.kernel_bench.skinny_chain ;;
     skinny) timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/ops/test_triton_skinny_gemm.py -k real_shapes ;;
     graphlaunch) timeout 120 python3 -m tools.kernel_bench.graph_launch ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;

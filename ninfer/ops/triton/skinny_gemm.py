@@ -77,7 +77,11 @@ class SkinnyConfig:
 # Measured best configs, keyed by (M bucket, N, K) with bucket 1 for M = 1 and 8 for M = 2..8 (M > 8 is
 # not tuned: an elementwise config tuned at 8 rows would double its accumulator), from
 # `python3 -m tools.kernel_bench.skinny_gemm --sweep [--variant 35b-a3b]` on the H200 (27B shapes on
-# 2026-11-29, 35B-A3B shapes on 2026-11-30). Shapes not listed use the heuristic in `default_config`.
+# 2026-11-29, 35B-A3B shapes on 2026-11-30). The one-row elementwise entries were then re-timed as the
+# decode graph runs them, 16 projections back to back under PDL (`tools.kernel_bench.skinny_chain`,
+# 2026-11-30): 2 rows x 1024 per step won at every shape but (2048, 512), by 1.6-17 % over the
+# single-launch sweep's pick (27B B = 1 graph replay 13.41 -> 13.22 ms, same machine). Shapes not listed
+# use the heuristic in `default_config`.
 # Bucket 8 lists only the shapes where the kernel beat cuBLAS by >= 3 % (`prefers_skinny`); for 27B
 # gdn_in x1.03, mlp_down x1.06, lm_head x1.10, while attn_qkv, attn_o, gdn_out and mlp_gate_up were
 # 0.95-1.0x there and stay cuBLAS. Loading the first weight tile before the PDL wait (into registers or
@@ -86,21 +90,21 @@ class SkinnyConfig:
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
 _DOT = {"num_warps": 4, "use_dot": True}
 _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
-    (1, 14336, 5120): SkinnyConfig(block_n=4, block_k=512, num_warps=4, unroll=2, **_FMA),
-    (1, 5120, 6144): SkinnyConfig(block_n=4, block_k=512, num_warps=4, unroll=2, **_FMA),
-    (1, 16480, 5120): SkinnyConfig(block_n=4, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 34816, 5120): SkinnyConfig(block_n=4, block_k=512, num_warps=4, unroll=2, **_FMA),
-    (1, 5120, 17408): SkinnyConfig(block_n=4, block_k=512, num_warps=4, unroll=2, **_FMA),
+    (1, 14336, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 5120, 6144): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 16480, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 34816, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 5120, 17408): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
     (1, 248320, 5120): SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
     (8, 16480, 5120): SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True),
     (8, 5120, 17408): SkinnyConfig(block_n=32, block_k=256, split_k=2, num_stages=3, **_DOT),
     (8, 248320, 5120): SkinnyConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
     # 35B-A3B (hidden 2048), swept 2026-11-30: one row 1.10-1.28x cuBLAS; eight rows attn_o/gdn_out
     # (same shape) 1.07-1.13x, router + shared-expert input 1.06x, shared down 1.05x, lm_head 1.08x
-    (1, 9216, 2048): SkinnyConfig(block_n=4, block_k=512, num_warps=4, unroll=2, **_FMA),
-    (1, 2048, 4096): SkinnyConfig(block_n=16, block_k=512, split_k=2, num_warps=8, num_stages=1),
-    (1, 12352, 2048): SkinnyConfig(block_n=4, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 1280, 2048): SkinnyConfig(block_n=4, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 9216, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 2048, 4096): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 12352, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 1280, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
     (1, 2048, 512): SkinnyConfig(block_n=8, block_k=512, num_warps=4, unroll=1, **_FMA),
     (1, 248320, 2048): SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
     (8, 2048, 4096): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, **_DOT),

@@ -1,0 +1,98 @@
+"""Time GEMV tiles the way the decode graph runs them: a chain of projections back to back in one CUDA graph.
+
+    python3 -m tools.kernel_bench.skinny_chain [--shapes 5120x6144 5120x17408] [--chain 16]
+
+The sweep in `skinny_gemm` times one launch per graph, so each config pays its own launch and ramp-up.
+In a decode step the projections follow each other under programmatic dependent launch, so a config's
+cost is its steady-state streaming plus the overlap it allows with its neighbour. Here each config runs
+``--chain`` one-row projections of the same shape over distinct weights (more bytes than L2 holds),
+captured in one graph; the time per projection is the replay over the chain length. cuBLAS (`F.linear`)
+and the `_TUNED` config are printed for comparison. With OUT set, the rows go to
+$OUT/skinny_chain.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.ops.triton.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
+
+BF16 = torch.bfloat16
+
+
+def _fma(block_n: int, block_k: int, unroll: int, warps: int = 4) -> SkinnyConfig:
+    return SkinnyConfig(block_n=block_n, block_k=block_k, unroll=unroll, num_warps=warps)
+
+
+# one-row elementwise tiles around the tuned ones: thinner strips (more programs, finer balance over the
+# SMs), more steps per loop trip (more loads in flight per program), and fewer or more warps
+CANDIDATES = {
+    "fma-1x1024-u2": _fma(1, 1024, 2),
+    "fma-2x256-u4": _fma(2, 256, 4),
+    "fma-2x512-u2": _fma(2, 512, 2),
+    "fma-2x512-u2-w2": _fma(2, 512, 2, warps=2),
+    "fma-2x1024-u1": _fma(2, 1024, 1),
+    "fma-4x256-u4": _fma(4, 256, 4),
+    "fma-4x512-u2": _fma(4, 512, 2),
+    "fma-4x512-u2-w8": _fma(4, 512, 2, warps=8),
+    "fma-4x512-u4": _fma(4, 512, 4),
+    "fma-4x1024-u1": _fma(4, 1024, 1),
+    "fma-8x256-u4": _fma(8, 256, 4),
+    "fma-8x512-u2": _fma(8, 512, 2),
+}
+
+
+def time_chain(n: int, k: int, chain: int) -> list[dict[str, object]]:
+    weights = [torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5 for _ in range(chain)]
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    outs = [torch.empty(1, n, device="cuda", dtype=BF16) for _ in range(chain)]
+    want = F.linear(x.float(), weights[-1].float())
+    rows: list[dict[str, object]] = []
+
+    def record(name: str, fn, config: SkinnyConfig | None) -> None:  # noqa: ANN001
+        per_call = time_us(graphed(fn)) / chain
+        rows.append({
+            "shape": [1, n, k], "name": name, "config": None if config is None else repr(config),
+            "us": round(per_call, 2), "GB/s": round(n * k * 2 / per_call / 1e3, 1),
+            "max_rel_err": max_rel_error(outs[-1], want),
+        })  # fmt: skip
+
+    def cublas() -> None:
+        for w, out in zip(weights, outs):
+            torch.matmul(x, w.t(), out=out)
+
+    record("cublas", cublas, None)
+    tuned = default_config(1, n, k)
+    configs = {"tuned": tuned, **CANDIDATES}
+    for name, config in configs.items():
+        def chained(config: SkinnyConfig = config) -> None:
+            for w, out in zip(weights, outs):
+                skinny_linear(x, w, out=out, config=config)
+
+        record(name, chained, config)
+    rows.sort(key=lambda row: row["us"])
+    for row in rows:
+        print(f"1x{n}x{k}  {row['name']:<18} {row['us']:7.2f} us  {row['GB/s']:7.1f} GB/s  "
+              f"err {row['max_rel_err']:.1e}  {row['config'] or ''}", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--shapes", nargs="+", default=["5120x6144", "5120x17408", "14336x5120"])
+    parser.add_argument("--chain", type=int, default=16)
+    args = parser.parse_args()
+    rows = []
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        rows += time_chain(n, k, args.chain)
+    finish("skinny_chain", rows)
+
+
+if __name__ == "__main__":
+    main()
