@@ -89,22 +89,23 @@ class SkinnyConfig:
 # 14.9 ms bench with the register tile), so every load waits.
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
 _DOT = {"num_warps": 4, "use_dot": True}
+_ONE_ROW = SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA)  # the chain's one-row pick
 _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
-    (1, 14336, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 5120, 6144): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 16480, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 34816, 5120): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 5120, 17408): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 14336, 5120): _ONE_ROW,
+    (1, 5120, 6144): _ONE_ROW,
+    (1, 16480, 5120): _ONE_ROW,
+    (1, 34816, 5120): _ONE_ROW,
+    (1, 5120, 17408): _ONE_ROW,
     (1, 248320, 5120): SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
     (8, 16480, 5120): SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True),
     (8, 5120, 17408): SkinnyConfig(block_n=32, block_k=256, split_k=2, num_stages=3, **_DOT),
     (8, 248320, 5120): SkinnyConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
     # 35B-A3B (hidden 2048), swept 2026-11-30: one row 1.10-1.28x cuBLAS; eight rows attn_o/gdn_out
     # (same shape) 1.07-1.13x, router + shared-expert input 1.06x, shared down 1.05x, lm_head 1.08x
-    (1, 9216, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 2048, 4096): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 12352, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
-    (1, 1280, 2048): SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA),
+    (1, 9216, 2048): _ONE_ROW,
+    (1, 2048, 4096): _ONE_ROW,
+    (1, 12352, 2048): _ONE_ROW,
+    (1, 1280, 2048): _ONE_ROW,
     (1, 2048, 512): SkinnyConfig(block_n=8, block_k=512, num_warps=4, unroll=1, **_FMA),
     (1, 248320, 2048): SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
     (8, 2048, 4096): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, **_DOT),
