@@ -20,36 +20,30 @@ import torch.nn.functional as F
 
 from ninfer.ops.triton.skinny_gemm import SkinnyConfig, default_config, skinny_linear
 from tools.kernel_bench.common import finish, graphed, max_rel_error, time_us
-
-BF16 = torch.bfloat16
-
-
-def _fma(block_n: int, block_k: int, unroll: int, warps: int = 4) -> SkinnyConfig:
-    return SkinnyConfig(block_n=block_n, block_k=block_k, unroll=unroll, num_warps=warps)
-
+from tools.kernel_bench.skinny_gemm import BF16, DEVICE, _fma, _weights
 
 # one-row elementwise tiles around the tuned ones: thinner strips (more programs, finer balance over the
 # SMs), more steps per loop trip (more loads in flight per program), and fewer or more warps
 CANDIDATES = {
-    "fma-1x1024-u2": _fma(1, 1024, 2),
-    "fma-2x256-u4": _fma(2, 256, 4),
-    "fma-2x512-u2": _fma(2, 512, 2),
-    "fma-2x512-u2-w2": _fma(2, 512, 2, warps=2),
-    "fma-2x1024-u1": _fma(2, 1024, 1),
-    "fma-4x256-u4": _fma(4, 256, 4),
-    "fma-4x512-u2": _fma(4, 512, 2),
-    "fma-4x512-u2-w8": _fma(4, 512, 2, warps=8),
-    "fma-4x512-u4": _fma(4, 512, 4),
-    "fma-4x1024-u1": _fma(4, 1024, 1),
-    "fma-8x256-u4": _fma(8, 256, 4),
-    "fma-8x512-u2": _fma(8, 512, 2),
+    "fma-1x1024-u2": _fma(1, 1024, unroll=2),
+    "fma-2x256-u4": _fma(2, 256, unroll=4),
+    "fma-2x512-u2": _fma(2, 512, unroll=2),
+    "fma-2x512-u2-w2": _fma(2, 512, warps=2, unroll=2),
+    "fma-2x1024-u1": _fma(2, 1024, unroll=1),
+    "fma-4x256-u4": _fma(4, 256, unroll=4),
+    "fma-4x512-u2": _fma(4, 512, unroll=2),
+    "fma-4x512-u2-w8": _fma(4, 512, warps=8, unroll=2),
+    "fma-4x512-u4": _fma(4, 512, unroll=4),
+    "fma-4x1024-u1": _fma(4, 1024, unroll=1),
+    "fma-8x256-u4": _fma(8, 256, unroll=4),
+    "fma-8x512-u2": _fma(8, 512, unroll=2),
 }
 
 
 def time_chain(n: int, k: int, chain: int) -> list[dict[str, object]]:
-    weights = [torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5 for _ in range(chain)]
-    x = torch.randn(1, k, device="cuda", dtype=BF16)
-    outs = [torch.empty(1, n, device="cuda", dtype=BF16) for _ in range(chain)]
+    weights = [_weights(n, k) for _ in range(chain)]
+    x = torch.randn(1, k, device=DEVICE, dtype=BF16)
+    outs = [torch.empty(1, n, device=DEVICE, dtype=BF16) for _ in range(chain)]
     want = F.linear(x.float(), weights[-1].float())
     rows: list[dict[str, object]] = []
 
