@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
 # and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests and its two halves
-# graphtest / fastpathtests, gemmmoetests, attn, gemm, fla, moe, small, routegemv, the sweeps,
+# graphtest / fastpathtests, gemmmoetests, moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode:
+# the decode MoE block's tiles), ab (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step),
 # bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27, hostround27/35, skinny,
 # chain (GEMV tiles timed back to back, as in the graph), graphlaunch, pdlprofile, pdloff8, chunk8k,
 # start27: a synthetic full-size 27B artifact loaded by bench).
@@ -34,6 +35,7 @@ for step in "$@"; do
     bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
     bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27.json" ;;
     profile35) timeout 300 python3 -m tools.profile_step qwen3_6_35b_a3b ;;
+    profile35pdloff) NINFER_PDL=0 timeout 200 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 256 ;;
     profile27) timeout 300 python3 -m tools.profile_step qwen3_6_27b ;;
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
@@ -47,6 +49,9 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
+    moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
+    moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
+    ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;
     gemmmoetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_skinny_gemm.py tests/ops/test_triton_fused_moe.py ;;
     fastpathtests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/gpu/test_fast_path.py ;;
     graphtest) timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/gpu/test_engine_cuda.py ;;
@@ -54,7 +59,6 @@ for step in "$@"; do
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;
     pdloff8) NINFER_PDL=0 timeout 200 $BENCH --synthetic qwen3_6_27b --batch 8 --decode-steps 32 --prefill-repeats 1 > "$OUT/pdloff8.json" ;;
-    routegemv) timeout 60 python3 -m tools.kernel_bench.moe_route_gemv ;;
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;

@@ -88,7 +88,7 @@ def profile(fn, steps: int = 3) -> dict[str, float]:
             per_class[kernel_class(event.name)] += us
             launches[kernel_class(event.name)] += 1 / steps
             per_kernel[event.name[:90]] += us
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:24]
     classes = dict(sorted(per_class.items(), key=lambda kv: -kv[1]))
     return {"classes": classes, "launches": {k: round(launches[k]) for k in classes}, "top": top}
 

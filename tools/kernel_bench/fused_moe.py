@@ -48,8 +48,8 @@ from ninfer.ops.triton.fused_moe import (
     DECODE_MAX_PAIRS,
     FusedMoeDecodeConfig,
     SharedExpert,
-    _decode_down_combine,
     _decode_gate_up,
+    decode_down_combine,
     default_config,
     default_decode_config,
     fused_moe,
@@ -190,7 +190,7 @@ def sweep_one(
         _decode_gate_up(x, gate_up, ids, hidden, config)
 
     def down_only() -> None:
-        _decode_down_combine(hidden, down, ids, weights, out, config)
+        decode_down_combine(hidden, down, ids, weights, out, config)
 
     whole()
     error = max_rel_error(out, moe_experts(x, weights, ids, gate_up, down))

@@ -10,7 +10,8 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - fused_moe: `fused_moe`, routed experts (sorted grouped GEMMs; a two-launch decode path), with the
   shared expert as one more weighted slot (`SharedExpert`).
 - moe_routing: `moe_route_topk`, softmax + top-k + renormalise + the shared expert's sigmoid gate.
-- moe_route_gemv: `moe_route_gemv`, the router GEMV and that routing in one launch (decode, <= 16 tokens).
+- moe_decode: `moe_decode_block`, the decode MoE block after the stacked input GEMV in two launches (the
+  routing inside the experts' gate/up launch).
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
   and `sigmoid_gate` (the attention output gate read in place from the projection output).
 - skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).

@@ -4,11 +4,12 @@
     out[t] = sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = expert_ids[t, k]
 
 with gate_up [E, 2I, H] (rows [0:I] gate, [I:2I] up) and down [E, H, I]. The router stays outside
-(`ninfer.ops.triton.moe_route_gemv` at decode, `moe_routing` after the router GEMM at prefill, give the
-fp32 weights, int32 ids and the shared-expert weight). With `shared=SharedExpert(gate_up [2I_s, H],
-down [H, I_s], weight [T])` the always-on shared expert joins the same fp32 sum, out[t] += weight[t] *
-shared(x[t]), rounded once at the end as `REFERENCE.moe_block` does, so the MoE block of a decode step
-is three launches with the routing.
+(`moe_routing` after the router GEMM gives the fp32 weights, int32 ids and the shared-expert weight).
+With `shared=SharedExpert(gate_up [2I_s, H], down [H, I_s], weight [T])` the always-on shared expert
+joins the same fp32 sum, out[t] += weight[t] * shared(x[t]), rounded once at the end as
+`REFERENCE.moe_block` does. The model's decode MoE block is `moe_decode`, which reuses this module's
+gate/up rows (`gate_up_rows`) and down + combine (`decode_down_combine`) with the routing moved into the
+gate/up launch.
 Two paths, both fully on the device (no host sync, every shape and grid from the static T and K, so either
 can be captured in the decode CUDA graph):
 
@@ -80,6 +81,8 @@ from ninfer.ops.triton import pdl
 
 __all__ = [
     "DECODE_MAX_PAIRS",
+    "decode_down_combine",
+    "gate_up_rows",
     "ExpertBlocks",
     "FusedMoeConfig",
     "FusedMoeDecodeConfig",
@@ -549,38 +552,19 @@ def _weighted_sum_kernel(
 
 
 @triton.jit
-def _decode_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, hidden_ptr, shared_w_ptr,
-    inter_size, x_stride_t, w_stride_e, w_stride_n, ids_stride_t, ids_stride_k, shared_w_stride_n,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr, HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+def gate_up_rows(
+    x_row_ptr, rows_base, row_stride, offs_n, n_mask, inter_size,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, HIDDEN_SIZE: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(USE_PDL)
-    SLOTS = TOP_K + HAS_SHARED  # a token's routed experts, then its shared expert
-    pair = tl.program_id(0)
-    token = pair // SLOTS
-    slot = pair - token * SLOTS
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter_size
+    """silu(gate @ x) * (up @ x) for the BLOCK_N intermediate columns offs_n of one expert whose gate rows
+    start at rows_base (the up rows inter_size rows further), fp32 [BLOCK_N]; each projection is rounded
+    to x's dtype first, as the reference rounds them (the caller rounds the product)."""
     offs_k = tl.arange(0, BLOCK_K)
-    io_dtype = hidden_ptr.dtype.element_ty
-
-    x_ptrs = x_ptr + token.to(tl.int64) * x_stride_t + offs_k
-    # with HAS_SHARED, slot TOP_K of a token is the shared expert: only the rows' base and stride differ, so
-    # a scalar branch picks them and the loop below is the same for every slot (its ids read is clamped
-    # to a valid slot and unused)
-    expert = tl.load(ids_ptr + token.to(tl.int64) * ids_stride_t + tl.minimum(slot, TOP_K - 1) * ids_stride_k)
-    rows_base = w_ptr + expert.to(tl.int64) * w_stride_e
-    row_offs = offs_n[:, None] * w_stride_n
-    up_offs = (offs_n[:, None] + inter_size) * w_stride_n
-    if HAS_SHARED:  # noqa: SIM102 (a constexpr branch: no code without a shared expert)
-        if slot == TOP_K:
-            rows_base = shared_w_ptr
-            row_offs = offs_n[:, None] * shared_w_stride_n
-            up_offs = (offs_n[:, None] + inter_size) * shared_w_stride_n
-    gate_ptrs = rows_base + row_offs + offs_k[None, :]
-    up_ptrs = rows_base + up_offs + offs_k[None, :]
+    io_dtype = x_row_ptr.dtype.element_ty
+    x_ptrs = x_row_ptr + offs_k
+    gate_ptrs = rows_base + offs_n[:, None] * row_stride + offs_k[None, :]
+    up_ptrs = rows_base + (offs_n[:, None] + inter_size) * row_stride + offs_k[None, :]
     # Elementwise fp32 partial sums, reduced once after the loop: the steps stay independent loads + FMAs
     # (no cross-thread reduction per step), and the unrolled steps let the compiler issue loads early.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -600,11 +584,42 @@ def _decode_gate_up_kernel(
         # weights cast to the model dtype first, as the reference's `.to(x.dtype)` does
         acc_gate += w_gate.to(io_dtype).to(tl.float32) * xs
         acc_up += w_up.to(io_dtype).to(tl.float32) * xs
-
-    # the reference rounds both projections and the SiLU product to the model dtype
     gate = tl.sum(acc_gate, axis=1).to(io_dtype).to(tl.float32)
     up = tl.sum(acc_up, axis=1).to(io_dtype).to(tl.float32)
-    hidden = gate * tl.sigmoid(gate) * up
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, hidden_ptr, shared_w_ptr,
+    inter_size, x_stride_t, w_stride_e, w_stride_n, ids_stride_t, ids_stride_k, shared_w_stride_n,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr, HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.enter(USE_PDL)
+    SLOTS = TOP_K + HAS_SHARED  # a token's routed experts, then its shared expert
+    pair = tl.program_id(0)
+    token = pair // SLOTS
+    slot = pair - token * SLOTS
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+
+    # with HAS_SHARED, slot TOP_K of a token is the shared expert: only the rows' base and stride differ, so
+    # a scalar branch picks them and the loop is the same for every slot (its ids read is clamped to a
+    # valid slot and unused)
+    expert = tl.load(ids_ptr + token.to(tl.int64) * ids_stride_t + tl.minimum(slot, TOP_K - 1) * ids_stride_k)
+    rows_base = w_ptr + expert.to(tl.int64) * w_stride_e
+    row_stride = w_stride_n
+    if HAS_SHARED:  # noqa: SIM102 (a constexpr branch: no code without a shared expert)
+        if slot == TOP_K:
+            rows_base = shared_w_ptr
+            row_stride = shared_w_stride_n
+    hidden = gate_up_rows(
+        x_ptr + token.to(tl.int64) * x_stride_t, rows_base, row_stride, offs_n, n_mask, inter_size,
+        BLOCK_N, BLOCK_K, K_STEPS, HIDDEN_SIZE, EVEN_K,
+    )  # fmt: skip
+    io_dtype = hidden_ptr.dtype.element_ty
     tl.store(hidden_ptr + pair.to(tl.int64) * inter_size + offs_n, hidden.to(io_dtype), mask=n_mask)
 
 
@@ -699,23 +714,28 @@ def _decode_gate_up(
     )  # fmt: skip
 
 
-def _decode_down_combine(
+def decode_down_combine(
     hidden: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-    out: torch.Tensor, config: FusedMoeDecodeConfig, shared: SharedExpert | None = None,
+    out: torch.Tensor, config: FusedMoeDecodeConfig, *, shared_down: torch.Tensor | None = None,
+    shared_weight: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """out [T, H] <- sum_k weights[t, k] * (down[e] @ hidden[t*S + k]) (+ shared.weight[t] *
-    (shared.down @ hidden[t*S + K])), expert outputs rounded first."""
+    """out [T, H] <- sum_k weights[t, k] * (down[e] @ hidden[t*S + k]) (+ shared_weight[t] *
+    (shared_down @ hidden[t*S + K])), expert outputs rounded first; S = K slots, K + 1 with the shared
+    expert (give both shared_down and shared_weight)."""
     tokens, hidden_size = out.shape
     inter_size = hidden.shape[1]
     top_k = expert_ids.shape[1]
     block_i = min(config.down_block_i, triton.next_power_of_2(inter_size))
+    has_shared = shared_down is not None and shared_weight is not None
     # no shared expert: placeholders the kernel never reads
-    shared_down, shared_weight = (shared.down, shared.weight) if shared is not None else (down, weights)
+    if not has_shared:
+        shared_down, shared_weight = down, weights
+    assert shared_down is not None and shared_weight is not None
     _decode_down_combine_kernel[(tokens, triton.cdiv(hidden_size, config.down_block_h))](
         hidden, down, expert_ids, weights, out, shared_down, shared_weight,
         hidden_size, down.stride(0), down.stride(1), *expert_ids.stride(), *weights.stride(), out.stride(0),
         shared_down.stride(-2), shared_weight.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK_H=config.down_block_h, BLOCK_I=block_i,
+        TOP_K=top_k, HAS_SHARED=has_shared, BLOCK_H=config.down_block_h, BLOCK_I=block_i,
         I_STEPS=triton.cdiv(inter_size, block_i),
         EXPERTS_PER_STEP=min(config.down_experts, triton.next_power_of_2(top_k)), INTER_SIZE=inter_size,
         EVEN_I=inter_size % block_i == 0, num_warps=config.down_warps,
@@ -732,7 +752,11 @@ def _fused_moe_decode(
     slots = top_k + (shared is not None)
     hidden = torch.empty((tokens * slots, down.shape[2]), dtype=x.dtype, device=x.device)
     _decode_gate_up(x, gate_up, expert_ids, hidden, config, shared)
-    _decode_down_combine(hidden, down, expert_ids, weights, out, config, shared)
+    decode_down_combine(
+        hidden, down, expert_ids, weights, out, config,
+        shared_down=shared.down if shared is not None else None,
+        shared_weight=shared.weight if shared is not None else None,
+    )
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ over in fp32 because `fused_moe` reads them in fp32 anyway) and `sigmoid(F.linea
 Shape: one program per token. A decode row is E = 256 logits (one register tile) and, with the shared gate,
 one H = 2048 dot; the work is tiny, so the point of the kernel is replacing ~8 launches (softmax, top-k,
 sum, divide, casts, the gate GEMV and sigmoid) by one, with no host sync and every shape static. Prefill
-calls it after the router GEMM (up to a prefill unit of tokens); decode of up to 16 tokens takes
-`moe_route_gemv`, which fuses the router GEMV in.
+calls it after the router GEMM (up to a prefill unit of tokens); decode takes `moe_decode`, whose
+experts' gate/up programs rank their token's logits themselves in the same order.
 
 Top-k is K rounds of (max, lowest index attaining it, mark taken) over the tile. The ranking uses the fp32
 logits rather than the probs: softmax is monotonic, so the order is the probs' order, but it does not

@@ -458,33 +458,34 @@ def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Ten
 
 
 def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
-    """Routing (router GEMV, top-k, the shared expert's sigmoid gate), then the fused experts with the
-    shared expert as one more weighted slot: 3 launches in a decode step (routing, gate/up, down and
-    combine); for prefill the router GEMM and the routing kernel are apart."""
-    from ninfer.ops.triton.fused_moe import SharedExpert, default_config, fused_moe
-    from ninfer.ops.triton.moe_route_gemv import MAX_TOKENS, moe_route_gemv
+    """Decode (up to DECODE_MAX_PAIRS token x expert pairs): the stacked input GEMV (router logits and the
+    shared expert's gate and up), then `moe_decode_block`'s two launches (the routing inside the experts'
+    gate/up launch; down + weighted combine). Otherwise (prefill, or a view without the stacked rows):
+    the router GEMM, the routing kernel, then `fused_moe` with the shared expert as one more weighted slot."""
+    from ninfer.ops.triton.fused_moe import DECODE_MAX_PAIRS, SharedExpert, default_config, fused_moe
+    from ninfer.ops.triton.moe_decode import moe_decode_block
     from ninfer.ops.triton.moe_routing import moe_route_topk
 
     num_experts, top_k = w.router.shape[0], variant.num_experts_per_tok
+    same_width = w.shared_down_proj.shape[1] == w.gate_up.shape[1] // 2
+    decode_sized = decode and x.shape[0] * top_k <= DECODE_MAX_PAIRS
+    if decode_sized and w.input_proj is not None and same_width:
+        projected = _fast_linear(x, w.input_proj)
+        return moe_decode_block(
+            x, projected, w.gate_up, w.down, w.shared_down_proj, w.shared_expert_gate, top_k
+        )
     if w.input_proj is not None:  # rows [router; shared gate; shared up]: the shared gate_up is a slice
         router, shared_gate_up = w.input_proj[:num_experts], w.input_proj[num_experts:]
     else:
         router, shared_gate_up = w.router.to(x.dtype), torch.cat([w.shared_gate_proj, w.shared_up_proj])
-    if decode and x.shape[0] <= MAX_TOKENS:
-        weights, expert_ids, shared_weight = moe_route_gemv(
-            x, router, top_k, shared_expert_gate=w.shared_expert_gate
-        )
-    else:
-        weights, expert_ids, shared_weight = moe_route_topk(
-            _fast_linear(x, router), top_k, x=x, shared_expert_gate=w.shared_expert_gate
-        )
+    weights, expert_ids, shared_weight = moe_route_topk(
+        _fast_linear(x, router), top_k, x=x, shared_expert_gate=w.shared_expert_gate
+    )
     assert shared_weight is not None
     shared = SharedExpert(gate_up=shared_gate_up, down=w.shared_down_proj, weight=shared_weight)
-    # the decode path runs the shared expert as one more slot of equal width; a wider one takes the
-    # sorted path, which computes it apart
-    config = None
-    if shared_gate_up.shape[0] != w.gate_up.shape[1]:
-        config = default_config(weights.numel())
+    # fused_moe's decode path runs the shared expert as one more slot of equal width; a wider one takes
+    # the sorted path, which computes it apart
+    config = None if same_width else default_config(weights.numel())
     return fused_moe(x, w.gate_up, w.down, weights, expert_ids, shared=shared, config=config)
 
 

@@ -1,0 +1,321 @@
+"""The MoE block of a decode step from its stacked input projection, in two launches (fast path of
+`REFERENCE.moe_block` for T*K <= DECODE_MAX_PAIRS tokens x experts).
+
+The model first projects x [T, H] through the layer's stacked input rows [router; shared gate; shared up]
+(one GEMV, `projected` [T, E + 2I] in the model dtype, exactly the reference's `F.linear(x, input_proj)`).
+Then:
+
+1. `routed_gate_up`, one launch over (T x (K + 1) slots, I / BLOCK_N columns):
+   - a routed slot k of token t ranks the token's E router logits itself (the packed-key max of
+     `moe_route_topk`'s order: largest logit first, ties to the lowest expert), takes the k-th expert and
+     streams its gate and up rows against x[t] (`fused_moe.gate_up_rows`);
+   - the shared slot K forms silu(gate) * up from the projected shared columns (no weights to read) and,
+     in its first column block, writes the token's routing (renormalised top-k weights, rounded as the
+     reference rounds them, and the expert ids) and the shared expert's weight sigmoid(x . gate).
+2. `fused_moe.decode_down_combine`: the experts' down rows and the weighted fp32 sum, the shared expert's
+   term last, rounded once (unchanged).
+
+Why: the router GEMV then runs in the same stacked GEMV as the shared expert's gate and up (5 MB at
+35B-A3B, at the GEMV's bandwidth), and no launch waits on one program that routes all tokens (the
+ticket-counter kernel this replaces spent 6.5 us per layer at T = 1 and 14 us at T = 8 on the H200,
+mostly that serial tail). Every routed program repeats its token's top-k (up to K rounds of one max
+reduction over E = 256 values): a few hundred nanoseconds each, all in parallel.
+
+Roundings and ranking are those of `moe_route_topk` + `fused_moe(..., shared=SharedExpert(...))`: the same
+results up to the dots' fp32 summation order. No host sync, every grid from static shapes: graph-capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.ops.triton import pdl
+from ninfer.ops.triton.fused_moe import (
+    DECODE_MAX_PAIRS,
+    FusedMoeDecodeConfig,
+    decode_down_combine,
+    default_decode_config,
+    gate_up_rows,
+)
+
+__all__ = ["RoutedGateUpConfig", "default_gate_up_config", "moe_decode_block", "routed_gate_up"]
+
+_MAX_EXPERTS = 1024  # one [BLOCK_E] int64 key tile per program
+_MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedGateUpConfig:
+    """Tiles of `routed_gate_up` (powers of two): a program ranks its token's experts once, then owns
+    n_loop blocks of block_n intermediate columns (a gate and an up tile of [block_n, block_k] per step
+    over H), so n_loop trades the repeated ranking against fewer, longer programs."""
+
+    block_n: int = 2
+    block_k: int = 2048
+    n_loop: int = 1
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"RoutedGateUpConfig.{name} must be a power of two, got {value}")
+
+
+# (largest T*K, tiles) from the H200 sweep (`python3 -m tools.kernel_bench.moe_decode`, 2026-11-30, graph
+# replay of the stacked GEMV + both launches): at T = 1 one block of 2 columns over the whole H per program
+# (29.0 us against 32.8 for the ticket-counter routing + fused_moe), at T = 8 the same tile with 4 blocks
+# per program (106.6 against 114.6 us; one block per program: 112.9), so that the 4608 programs' repeated
+# ranking shrinks to one wave's worth. T = 2..4 were not timed: 2 blocks per program.
+_GATE_UP_CONFIGS: tuple[tuple[int, RoutedGateUpConfig], ...] = (
+    (16, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=1, warps=4)),
+    (32, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
+    (1 << 62, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=4, warps=4)),
+)
+
+
+def default_gate_up_config(num_pairs: int) -> RoutedGateUpConfig:
+    """The table's gate/up tiles for P = T*K pairs."""
+    for max_pairs, config in _GATE_UP_CONFIGS:
+        if num_pairs <= max_pairs:
+            return config
+    return _GATE_UP_CONFIGS[-1][1]
+
+
+@triton.jit
+def _logit_keys(logits_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A token's router logits as packed int64 keys [BLOCK_E] whose max is the largest logit and, among
+    equal logits, the lowest expert: (order-preserving int32 of the fp32 logit) << 32 | (BLOCK_E-1-e)."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < NUM_EXPERTS
+    logits = tl.load(logits_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 == +0.0 must tie, so they need one key
+    bits = logits.to(tl.int32, bitcast=True)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip the magnitude bits of negatives (an involution)
+    packed = (keys.to(tl.int64) << 32) + (BLOCK_E - 1 - experts).to(tl.int64)
+    return tl.where(valid, packed, tl.full([BLOCK_E], -(2**63), tl.int64)), logits, valid
+
+
+@triton.jit
+def _take_best(packed, BLOCK_E: tl.constexpr):
+    """(the best candidate's expert, its fp32 logit, the keys with it taken out)."""
+    experts = tl.arange(0, BLOCK_E)
+    best = tl.max(packed, axis=0)
+    best_key = best >> 32
+    chosen = (BLOCK_E - 1 - (best - (best_key << 32))).to(tl.int32)
+    key32 = best_key.to(tl.int32)
+    chosen_logit = (key32 ^ ((key32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return chosen, chosen_logit, tl.where(experts == chosen, tl.full([BLOCK_E], -(2**63), tl.int64), packed)
+
+
+@triton.jit
+def _write_routing(
+    logits_ptr, weights_ptr, ids_ptr, weights_stride_k, ids_stride_k,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+):  # fmt: skip
+    """The token's top-k ids and renormalised softmax weights (rounded to the logits' dtype, stored fp32)."""
+    packed, logits, valid = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E)
+    slots = tl.arange(0, BLOCK_SLOTS)
+    top_logits = tl.zeros([BLOCK_SLOTS], dtype=tl.float32)
+    top_ids = tl.zeros([BLOCK_SLOTS], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        chosen, chosen_logit, packed = _take_best(packed, BLOCK_E)
+        top_logits = tl.where(slots == k, chosen_logit, top_logits)
+        top_ids = tl.where(slots == k, chosen, top_ids)
+    row_max = tl.max(tl.where(slots == 0, top_logits, float("-inf")), axis=0)
+    denominator = tl.sum(tl.where(valid, tl.exp(logits - row_max), 0.0), axis=0)
+    slot_mask = slots < TOP_K
+    top_probs = tl.where(slot_mask, tl.exp(top_logits - row_max) / denominator, 0.0)
+    model_dtype = logits_ptr.dtype.element_ty
+    weights = (top_probs / tl.sum(top_probs, axis=0)).to(model_dtype).to(tl.float32)
+    tl.store(weights_ptr + slots * weights_stride_k, weights, mask=slot_mask)
+    tl.store(ids_ptr + slots * ids_stride_k, top_ids, mask=slot_mask)
+
+
+@triton.jit
+def _shared_gate_weight(x_row_ptr, gate_ptr, HIDDEN_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """sigmoid(round_to_x_dtype(x . gate)) with an fp32 dot, the gate cast to x's dtype first."""
+    x_dtype = x_row_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in tl.static_range(0, HIDDEN_SIZE, BLOCK_H):
+        col_mask = cols < HIDDEN_SIZE - start
+        xs = tl.load(x_row_ptr + start + cols, mask=col_mask, other=0.0)
+        gate = tl.load(gate_ptr + start + cols, mask=col_mask, other=0.0).to(x_dtype)
+        acc += xs.to(tl.float32) * gate.to(tl.float32)
+    return tl.sigmoid(tl.sum(acc, axis=0).to(x_dtype).to(tl.float32))
+
+
+@triton.jit
+def _routed_gate_up_kernel(
+    x_ptr, projected_ptr, w_ptr, gate_ptr, hidden_ptr, weights_ptr, ids_ptr, shared_weight_ptr,
+    inter_size, x_stride_t, projected_stride_t, w_stride_e, w_stride_n,
+    weights_stride_t, weights_stride_k, ids_stride_t, ids_stride_k, shared_weight_stride_t,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, N_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+    HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.enter(USE_PDL)
+    pair = tl.program_id(0)
+    token = pair // (TOP_K + 1)
+    slot = pair - token * (TOP_K + 1)
+    n_block = tl.program_id(1)
+    io_dtype = hidden_ptr.dtype.element_ty
+    logits_ptr = projected_ptr + token.to(tl.int64) * projected_stride_t  # the row's first E columns
+    x_row_ptr = x_ptr + token.to(tl.int64) * x_stride_t
+    hidden_row = hidden_ptr + pair.to(tl.int64) * inter_size
+    if slot < TOP_K:
+        packed, _, _ = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E)
+        expert = slot * 0
+        for _ in range(slot + 1):  # the slot-th best needs slot + 1 rounds
+            expert, _, packed = _take_best(packed, BLOCK_E)
+        rows_base = w_ptr + expert.to(tl.int64) * w_stride_e
+        for j in tl.static_range(N_LOOP):
+            offs_n = (n_block * N_LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < inter_size
+            hidden = gate_up_rows(
+                x_row_ptr, rows_base, w_stride_n, offs_n, n_mask, inter_size,
+                BLOCK_N, BLOCK_K, K_STEPS, HIDDEN_SIZE, EVEN_K,
+            )  # fmt: skip
+            tl.store(hidden_row + offs_n, hidden.to(io_dtype), mask=n_mask)
+    else:  # the shared expert: its gate and up are projected already
+        for j in tl.static_range(N_LOOP):
+            offs_n = (n_block * N_LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < inter_size
+            gate = tl.load(logits_ptr + NUM_EXPERTS + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            up = tl.load(logits_ptr + NUM_EXPERTS + inter_size + offs_n, mask=n_mask, other=0.0)
+            hidden = gate * tl.sigmoid(gate) * up.to(tl.float32)
+            tl.store(hidden_row + offs_n, hidden.to(io_dtype), mask=n_mask)
+        if n_block == 0:  # one program per token hands the routing to the down kernel
+            _write_routing(
+                logits_ptr, weights_ptr + token * weights_stride_t, ids_ptr + token * ids_stride_t,
+                weights_stride_k, ids_stride_k, NUM_EXPERTS, TOP_K, BLOCK_E, BLOCK_SLOTS,
+            )  # fmt: skip
+            shared_weight = _shared_gate_weight(x_row_ptr, gate_ptr, HIDDEN_SIZE, BLOCK_H)
+            tl.store(shared_weight_ptr + token * shared_weight_stride_t, shared_weight)
+
+
+def _check(
+    x: torch.Tensor,
+    projected: torch.Tensor,
+    gate_up: torch.Tensor,
+    shared_expert_gate: torch.Tensor,
+    top_k: int,
+) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, H] bf16/fp16/fp32 with a contiguous last dim, got {tuple(x.shape)}")
+    tokens, hidden_size = x.shape
+    if (
+        gate_up.dim() != 3
+        or gate_up.shape[2] != hidden_size
+        or gate_up.shape[1] % 2
+        or gate_up.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"gate_up must be [E, 2I, {hidden_size}] with a contiguous last dim, got {tuple(gate_up.shape)}"
+        )
+    num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
+    width = num_experts + 2 * inter_size
+    if projected.shape != (tokens, width) or projected.dtype != x.dtype or projected.stride(-1) != 1:
+        raise ValueError(
+            f"projected must be [{tokens}, {width}] (router logits, shared gate, shared up) in {x.dtype}, "
+            f"got {tuple(projected.shape)} {projected.dtype}"
+        )
+    if not 1 <= top_k <= num_experts or num_experts > _MAX_EXPERTS:
+        raise ValueError(f"need 1 <= top_k <= E <= {_MAX_EXPERTS}, got top_k={top_k}, E={num_experts}")
+    if tokens * top_k > DECODE_MAX_PAIRS:
+        raise ValueError(f"the decode MoE block takes T*K <= {DECODE_MAX_PAIRS} pairs, got {tokens}*{top_k}")
+    if shared_expert_gate.numel() != hidden_size:
+        raise ValueError(
+            f"shared_expert_gate must have {hidden_size} values, got {tuple(shared_expert_gate.shape)}"
+        )
+
+
+def routed_gate_up(
+    x: torch.Tensor,
+    projected: torch.Tensor,
+    gate_up: torch.Tensor,
+    shared_expert_gate: torch.Tensor,
+    top_k: int,
+    config: RoutedGateUpConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch 1 of `moe_decode_block` -> (hidden [T*(K+1), I] in x's dtype, row t*(K+1) + slot, the shared
+    expert's last; weights [T, K] fp32; expert_ids [T, K] int32; shared_weight [T] fp32)."""
+    _check(x, projected, gate_up, shared_expert_gate, top_k)
+    tokens, hidden_size = x.shape
+    num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
+    config = config or default_gate_up_config(tokens * top_k)
+    device = x.device
+    hidden = torch.empty((tokens * (top_k + 1), inter_size), dtype=x.dtype, device=device)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
+    shared_weight = torch.empty((tokens,), dtype=torch.float32, device=device)
+    if tokens == 0:
+        return hidden, weights, ids, shared_weight
+    gate = shared_expert_gate.reshape(hidden_size)
+    gate = gate if gate.stride(0) == 1 else gate.contiguous()
+    block_k = min(config.block_k, triton.next_power_of_2(hidden_size))
+    grid = (tokens * (top_k + 1), triton.cdiv(inter_size, config.block_n * config.n_loop))
+    _routed_gate_up_kernel[grid](
+        x, projected, gate_up, gate, hidden, weights, ids, shared_weight,
+        inter_size, x.stride(0), projected.stride(0), gate_up.stride(0), gate_up.stride(1),
+        *weights.stride(), *ids.stride(), shared_weight.stride(0),
+        NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config.block_n, N_LOOP=config.n_loop,
+        BLOCK_K=block_k,
+        K_STEPS=triton.cdiv(hidden_size, block_k), HIDDEN_SIZE=hidden_size,
+        EVEN_K=hidden_size % block_k == 0, BLOCK_H=min(_MAX_BLOCK_H, triton.next_power_of_2(hidden_size)),
+        num_warps=config.warps,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
+    )  # fmt: skip
+    return hidden, weights, ids, shared_weight
+
+
+def moe_decode_block(
+    x: torch.Tensor,
+    projected: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared_down: torch.Tensor,
+    shared_expert_gate: torch.Tensor,
+    top_k: int,
+    *,
+    gate_up_config: RoutedGateUpConfig | None = None,
+    down_config: FusedMoeDecodeConfig | None = None,
+) -> torch.Tensor:
+    """The sparse MoE block of T <= DECODE_MAX_PAIRS / K decode tokens -> [T, H] in x's dtype.
+
+    x [T, H]; projected [T, E + 2I] = x @ [router; shared gate; shared up]^T in x's dtype; gate_up
+    [E, 2I, H] and down [E, H, I] (the routed experts, read in x's dtype); shared_down [H, I] (the shared
+    expert has the routed experts' width I); shared_expert_gate [1, H] or [H]. `REFERENCE.moe_block`'s
+    result up to fp32 summation order; two launches, no host sync. The configs default to
+    `default_gate_up_config(T*K)` and `fused_moe.default_decode_config(T*K)` (its down tiles).
+    """
+    hidden_states, weights, ids, shared_weight = routed_gate_up(
+        x, projected, gate_up, shared_expert_gate, top_k, gate_up_config
+    )
+    tokens, hidden_size = x.shape
+    if down.shape != (gate_up.shape[0], hidden_size, gate_up.shape[1] // 2) or down.stride(-1) != 1:
+        raise ValueError(
+            f"down must be [E, {hidden_size}, I] with a contiguous last dim, got {tuple(down.shape)}"
+        )
+    if shared_down.shape != (hidden_size, gate_up.shape[1] // 2) or shared_down.stride(-1) != 1:
+        raise ValueError(f"shared_down must be [{hidden_size}, I] contiguous, got {tuple(shared_down.shape)}")
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    decode_down_combine(
+        hidden_states,
+        down,
+        ids,
+        weights,
+        out,
+        down_config or default_decode_config(tokens * top_k),
+        shared_down=shared_down,
+        shared_weight=shared_weight,
+    )
+    return out

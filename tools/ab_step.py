@@ -1,0 +1,63 @@
+"""A/B of a decode step's graph replay under environment settings, in one process on one GPU.
+
+    python3 -m tools.ab_step PACKAGE --env NAME=A,B [--batch 1,8] [--rounds 3] [--context 2048]
+
+Random weights of the package's exact dims (as `tools.profile_step`), bf16. For each round and each B,
+every value of NAME is set in turn and the step is captured afresh in a CUDA graph (the fast table reads
+such switches while it is traced), then its median replay time printed. Machines differ by more than most
+changes (docs/benchmarks.md), so compare settings only within one run; the rounds interleave them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from ninfer.targets.qwen3_6.binder import random_model_view
+from ninfer.targets.qwen3_6.kernels import select_kernels
+from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
+from ninfer.targets.registry import get_package
+from tools.profile_step import graph_time_ms, make_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("package")
+    parser.add_argument("--env", required=True, help="NAME=A,B: the values of NAME to compare")
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--context", type=int, default=2048)
+    args = parser.parse_args()
+    name, _, values = args.env.partition("=")
+    settings = values.split(",")
+    device = torch.device("cuda")
+    variant = get_package(args.package).variant
+    view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
+    kernels = select_kernels(device, "fast")
+    batches = [int(b) for b in args.batch.split(",")]
+    page_size, b_max = 64, max(batches)
+    store = StateStore.allocate(variant, 2 * b_max, b_max * -(-args.context // page_size), page_size,
+                                torch.bfloat16, device)  # fmt: skip
+    times: dict[tuple[int, str], list[float]] = {(b, s): [] for b in batches for s in settings}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for b in batches:
+                batch = make_batch(b, 1, args.context, page_size, device)
+                for setting in settings:
+                    os.environ[name] = setting
+
+                    def step(batch: StepBatch = batch) -> None:
+                        forward(view, variant, batch, store, logits="last", kernels=kernels)
+
+                    ms = graph_time_ms(step)
+                    times[(b, setting)].append(ms)
+                    print(f"B={b} {name}={setting}: {ms:.3f} ms", flush=True)
+    for (b, setting), values_ms in times.items():
+        print(f"median B={b} {name}={setting}: {statistics.median(values_ms):.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
