@@ -41,10 +41,12 @@ for step in "$@"; do
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
     timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
+    timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 ;;
     hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
     hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch 8 ;;
     chain) timeout 200 python3 -m tools.kernel_bench.skinny_chain ;;
     skinny) timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/ops/test_triton_skinny_gemm.py -k real_shapes ;;
+    skinnyconv) timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py -k "conv or real_shapes" ;;
     graphlaunch) timeout 120 python3 -m tools.kernel_bench.graph_launch ;;
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
@@ -52,8 +54,9 @@ for step in "$@"; do
     moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
     moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
     ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;
+    ab27) timeout 300 python3 -m tools.ab_step qwen3_6_27b --env "$AB_ENV" --rounds 2 ;;
     gemmmoetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_skinny_gemm.py tests/ops/test_triton_fused_moe.py ;;
-    fastpathtests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/gpu/test_fast_path.py ;;
+    fastpathtests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/gpu/test_fast_path.py ${FASTPATH_K:+-k "$FASTPATH_K"} ;;
     graphtest) timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/gpu/test_engine_cuda.py ;;
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;

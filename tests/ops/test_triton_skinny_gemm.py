@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
+from ninfer.ops.conv import causal_conv1d_update
+
 if TYPE_CHECKING:
     from ninfer.ops.triton.skinny_gemm import SkinnyConfig
 
@@ -112,6 +114,82 @@ def test_skinny_linear_rejects_bad_inputs(kernels: ModuleType) -> None:
         kernels.skinny_linear(torch.randn(1, 16), w, out=torch.empty(1, 9))
     with pytest.raises(ValueError, match="dot kernel needs"):
         kernels.skinny_linear(torch.randn(1, 16), w, config=kernels.SkinnyConfig(block_n=8, use_dot=True))
+
+
+# ---- the GDN conv step in the epilogue ------------------------------------------------------------
+
+
+def _conv_reference(
+    y: torch.Tensor, channels: int, pool: torch.Tensor, weight: torch.Tensor, state_in: torch.Tensor,
+    state_out: torch.Tensor, fresh: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(projection with the conv step on its first C columns, pool after the step), as the unfused path
+    (the projection, then `causal_conv1d_update` over the gathered windows) computes them."""
+    valid_in = state_in.clamp_min(0)
+    window_in = torch.where((fresh | (state_in < 0))[:, None, None], 0, pool.index_select(0, valid_in))
+    conv_out, new_window = causal_conv1d_update(y[:, :channels], window_in, weight)
+    pool_after = pool.clone()
+    keep = state_out >= 0
+    pool_after.index_copy_(0, state_out[keep], new_window[keep].to(pool.dtype))
+    return torch.cat([conv_out, y[:, channels:]], dim=-1), pool_after
+
+
+@pytest.mark.parametrize("config_name", ["fma", "fma-unroll", "fma-split", "dot", "dot-split"])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_conv_epilogue_matches_projection_then_conv(
+    kernels: ModuleType, config_name: str, rows: int, dtype: torch.dtype
+) -> None:
+    """C = 20 of N = 33 columns (no block divides either); rows that move slots, update in place, start
+    fresh, or are padding (state_in / state_out < 0); split-K configs run unsplit."""
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(rows + 7 * len(config_name))
+    n, k, channels, width, slots = 33, 40, 20, 4, 9
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    pool = torch.randn(slots, channels, width - 1, generator=gen).to(dtype)
+    conv_weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dtype)
+    state_in = torch.tensor([7, 2, -1, 0][:rows])
+    state_out = torch.tensor([7, 4, -1, 1][:rows])
+    fresh = torch.tensor([False, True, False, False][:rows])
+    unsplit = kernels.SkinnyConfig(block_n=block_n, block_k=block_k, use_dot=use_dot, unroll=unroll)
+    want, pool_want = _conv_reference(
+        kernels.skinny_linear(x, w, config=unsplit), channels, pool, conv_weight, state_in, state_out, fresh
+    )
+    step = kernels.ConvStep(
+        pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh
+    )
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+
+    got = kernels.skinny_linear(x, w, out=out, config=config, conv=step)
+
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got[:, channels:], want[:, channels:])
+    # the 4-tap sum's order may differ from torch's by an fp32 ulp, which fp16 rounding rarely shows
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
+    torch.testing.assert_close(got[:, :channels], want[:, :channels], **tolerance)
+    assert torch.equal(pool, pool_want), "the new windows are copies of the rounded projection"
+
+
+def test_conv_epilogue_rejects_bad_steps(kernels: ModuleType) -> None:
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    slots = torch.tensor([0, 1])
+    fresh = torch.tensor([False, False])
+
+    def step(pool: torch.Tensor, weight: torch.Tensor, state_in: torch.Tensor = slots) -> object:
+        return kernels.ConvStep(pool=pool, weight=weight, state_in=state_in, state_out=slots, fresh=fresh)
+
+    with pytest.raises(ValueError, match="conv.pool"):
+        kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 9, 3), torch.zeros(9, 4)))  # C > N
+    with pytest.raises(ValueError, match="conv.pool"):
+        kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 2), torch.zeros(4, 4)))  # K - 1 != 2
+    with pytest.raises(ValueError, match="conv.weight"):
+        kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 3), torch.zeros(5, 4)))
+    with pytest.raises(ValueError, match="conv.state_in"):
+        kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 3), torch.zeros(4, 4), slots[:1]))
 
 
 def test_default_config_shapes(kernels: ModuleType) -> None:
@@ -268,3 +346,50 @@ def test_skinny_linear_cuda_graph_replay_is_deterministic(rows: int) -> None:
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, first), "split-K must reduce in a fixed order"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("name", "n", "k", "channels"), [("27b", 16480, 5120, 10240), ("35b", 12352, 2048, 8192)]
+)
+def test_conv_epilogue_cuda_gdn_in_shapes(name: str, n: int, k: int, channels: int, rows: int) -> None:
+    """The GDN input projection with the conv step inside (default tiles, bf16) against the projection
+    and then the conv step kernel over the same pool, slots moved, in place, fresh and padding."""
+    from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
+    from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+    pool = torch.randn(2 * rows + 1, channels, 3, generator=gen, device="cuda").to(torch.bfloat16)
+    conv_weight = (torch.randn(channels, 4, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    state_in = torch.arange(rows, device="cuda")
+    state_out = torch.arange(rows, 2 * rows, device="cuda")
+    state_out[0] = 0  # in place
+    state_in[-1], state_out[-1] = (-1, -1) if rows > 1 else (0, 0)  # a padding row
+    fresh = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    fresh[rows // 2] = True
+    pool_want = pool.clone()
+    projected = skinny_linear(x, w, config=_unsplit_default(rows, n, k))
+    conv_want = causal_conv1d_update_slots(
+        projected[:, :channels], pool_want, conv_weight, state_in, state_out, fresh
+    )
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    step = ConvStep(pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh)
+
+    got = skinny_linear(x, w, out=out, conv=step)
+
+    assert torch.equal(got[:, channels:], projected[:, channels:])
+    assert max_rel_error(got[:, :channels], conv_want) <= BF16_BOUND
+    assert (got[:, :channels] != conv_want).float().mean() < 0.01, "more than rounding differs"
+    assert torch.equal(pool, pool_want)
+
+
+def _unsplit_default(rows: int, n: int, k: int) -> SkinnyConfig:
+    import dataclasses
+
+    from ninfer.ops.triton.skinny_gemm import default_config
+
+    return dataclasses.replace(default_config(rows, n, k), split_k=1)

@@ -22,6 +22,13 @@ Two kernels, picked by ``SkinnyConfig.use_dot``:
 Split-K (``split_k > 1``) gives each of ``split_k`` programs per column block a contiguous K range; they
 write fp32 partials [split_k, M, N] and a second launch sums them in a fixed order, so results are
 deterministic (no atomics). Everything is sized from static shapes: the call is CUDA-graph capturable.
+
+``conv=ConvStep(...)`` applies the Gated DeltaNet's short-conv decode step to the first C output columns
+in the epilogue (the GDN input projection's qkv columns; `conv_update` has the same maths as a kernel of
+its own): a column's program holds the column's projection of every row, so it can read the column's conv
+window from the state pool (issued before the weight stream), convolve, apply SiLU and write the shifted
+window back, with no other program touching that state (state_out may equal state_in). That saves the
+conv's launch and its dependent wait in every GDN layer of a decode step.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import triton.language as tl
 
 from ninfer.ops.triton import pdl
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "default_config", "prefers_skinny", "skinny_linear"]
+__all__ = ["MAX_ROWS", "ConvStep", "SkinnyConfig", "default_config", "prefers_skinny", "skinny_linear"]
 
 MAX_ROWS = 16  # rows the dot kernel's single padded MMA tile covers
 _DOT_ROWS = 16
@@ -121,6 +128,81 @@ def prefers_skinny(m: int, n: int, k: int) -> bool:
     return m == 1 or (2 <= m <= 8 and (8, n, k) in _TUNED)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ConvStep:
+    """The GDN conv decode step over output columns [0, C) of a skinny_linear (C = pool.shape[1]).
+
+    For row m and column c < C: window = [pool[state_in[m], c, :] (zeros when fresh[m] or
+    state_in[m] < 0), y[m, c]] in y's dtype, out[m, c] = silu(window . weight[c]) (fp32 math, rounded to
+    y's dtype) and pool[state_out[m], c, :] = window[1:] (not written when state_out[m] < 0): what
+    `conv_update.causal_conv1d_update_slots` does to the projection's first C columns. pool [S, C, K-1]
+    contiguous, weight [C, K], state_in / state_out [M] integer slots, fresh [M] bool.
+    """
+
+    pool: torch.Tensor
+    weight: torch.Tensor
+    state_in: torch.Tensor
+    state_out: torch.Tensor
+    fresh: torch.Tensor
+
+
+@triton.jit
+def _conv_window_loads(
+    conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
+    conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The conv step's loads, issued before the weight stream: the old window taps [BM, BN, CONV_BLOCK]
+    (tap K-1 and beyond zero) and the conv weights [BN, CONV_BLOCK] in fp32."""
+    taps = tl.arange(0, CONV_BLOCK)
+    width = CONV_K - 1
+    conv_n = offs_n < conv_channels
+    slot_in = tl.load(state_in_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+    reads = mask_m & (slot_in >= 0) & (tl.load(fresh_ptr + offs_m, mask=mask_m, other=1) == 0)
+    state = tl.load(
+        conv_pool_ptr
+        + slot_in[:, None, None] * conv_channels * width
+        + offs_n.to(tl.int64)[None, :, None] * width
+        + taps[None, None, :],
+        mask=reads[:, None, None] & conv_n[None, :, None] & (taps < width)[None, None, :],
+        other=0.0,
+    )
+    weight = tl.load(
+        conv_w_ptr + offs_n[:, None] * conv_w_stride_c + taps[None, :] * conv_w_stride_k,
+        mask=conv_n[:, None] & (taps < CONV_K)[None, :],
+        other=0.0,
+    )
+    return state, weight.to(tl.float32)
+
+
+@triton.jit
+def _conv_epilogue(
+    y, state, weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n, mask_n, conv_channels,
+    CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """y [BM, BN] in the output dtype -> the conv step's output in the first C columns (the rest as they
+    are), and the shifted windows stored to their state_out slots."""
+    taps = tl.arange(0, CONV_BLOCK)
+    width = CONV_K - 1
+    window = tl.where(taps[None, None, :] == width, y[:, :, None], state.to(y.dtype))
+    acc = tl.sum(window.to(tl.float32) * weight[None, :, :], axis=2)
+    conv = (acc * tl.sigmoid(acc)).to(y.dtype)
+    conv_n = offs_n < conv_channels
+    slot_out = tl.load(state_out_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+    writes = mask_m & (slot_out >= 0)
+    # tap j of the window becomes state position j - 1 (tap 0 falls off)
+    tl.store(
+        conv_pool_ptr
+        + slot_out[:, None, None] * conv_channels * width
+        + offs_n.to(tl.int64)[None, :, None] * width
+        + taps[None, None, :]
+        - 1,
+        window.to(conv_pool_ptr.dtype.element_ty),
+        mask=writes[:, None, None] & (conv_n & mask_n)[None, :, None] & (taps >= 1)[None, None, :]
+        & (taps < CONV_K)[None, None, :],
+    )  # fmt: skip
+    return tl.where(conv_n[None, :], conv, y)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -155,7 +237,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = _H200_SMS) -> SkinnyCo
 def _skinny_fma_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
+    conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
+    conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(USE_PDL)
@@ -164,6 +249,13 @@ def _skinny_fma_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if HAS_CONV:
+        conv_state, conv_weight = _conv_window_loads(
+            conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
+            conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
+        )  # fmt: skip
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -183,11 +275,17 @@ def _skinny_fma_kernel(
                 )
                 xs = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
                 acc += w.to(tl.float32) * xs.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(out_base + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+        if HAS_CONV:
+            y = tl.sum(
+                _conv_epilogue(
+                    y[None, :], conv_state, conv_weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n,
+                    mask_n, conv_channels, CONV_K, CONV_BLOCK,
+                ),
+                axis=0,
+            )  # fmt: skip
+        tl.store(out_base + offs_n, y, mask=mask_n)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K * UNROLL):
@@ -202,16 +300,24 @@ def _skinny_fma_kernel(
                 )
                 xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 acc3 += w.to(tl.float32)[None, :, :] * xs.to(tl.float32)[:, None, :]
-        y2 = tl.sum(acc3, axis=2)
+        y2 = tl.sum(acc3, axis=2).to(out_ptr.dtype.element_ty)
+        if HAS_CONV:
+            y2 = _conv_epilogue(
+                y2, conv_state, conv_weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n, mask_n,
+                conv_channels, CONV_K, CONV_BLOCK,
+            )  # fmt: skip
         out_ptrs = out_base + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, y2.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(out_ptrs, y2, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
+    conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
+    conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(USE_PDL)
@@ -222,6 +328,11 @@ def _skinny_dot_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M  # padding rows load nothing (masked) and are not stored
+    if HAS_CONV:
+        conv_state, conv_weight = _conv_window_loads(
+            conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
+            conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
+        )  # fmt: skip
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -239,8 +350,14 @@ def _skinny_dot_kernel(
         )
         xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(xs), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    y = tl.trans(acc).to(out_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    if HAS_CONV:
+        y = _conv_epilogue(
+            y, conv_state, conv_weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n, mask_n,
+            conv_channels, CONV_K, CONV_BLOCK,
+        )  # fmt: skip
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -264,18 +381,45 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _conv_launch_args(conv: ConvStep | None, x: torch.Tensor, m: int, n: int) -> tuple[tuple, int]:
+    """The kernels' conv arguments (pool, weight, state_in, state_out, fresh, C, weight strides) and K;
+    placeholders the kernel never reads without a conv step."""
+    if conv is None:
+        return (x, x, x, x, x, 0, 0, 0), 1
+    pool, weight = conv.pool, conv.weight
+    channels = pool.shape[1] if pool.dim() == 3 else -1
+    kernel = weight.shape[1] if weight.dim() == 2 else -1
+    if pool.dim() != 3 or not pool.is_contiguous() or not 0 < channels <= n or pool.shape[2] != kernel - 1:
+        raise ValueError(
+            f"conv.pool must be contiguous [S, C, K-1] with C <= {n} output columns and K from conv.weight "
+            f"{tuple(weight.shape)}, got {tuple(pool.shape)}"
+        )
+    if weight.shape[0] != channels or kernel < 2:
+        raise ValueError(f"conv.weight must be [{channels}, K >= 2], got {tuple(weight.shape)}")
+    for name in ("state_in", "state_out", "fresh"):
+        shape = tuple(getattr(conv, name).shape)
+        if shape != (m,):
+            raise ValueError(f"conv.{name} must be [{m}] (one per row), got {shape}")
+    fresh = conv.fresh.view(torch.uint8) if conv.fresh.dtype == torch.bool else conv.fresh
+    args = (pool, weight, conv.state_in, conv.state_out, fresh, channels, weight.stride(0), weight.stride(1))
+    return args, kernel
+
+
 def skinny_linear(
     x: torch.Tensor,
     w: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for x [M, K] with M <= 16 rows -> [M, N] in x's dtype, fp32 accumulation.
 
     x and w share a dtype (bf16, fp16 or fp32); w [N, K] must have a unit stride along K (a row block of a
     stacked buffer is fine); x may have any row stride (a column slice is fine). ``out`` may supply the
     [M, N] result buffer (x's dtype, unit stride along N). ``config`` overrides `default_config(M, N, K)`.
+    ``conv`` applies that GDN conv step to the first C columns (see `ConvStep`); it needs the whole K in one
+    program, so a split-K config is run unsplit.
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K], got x {tuple(x.shape)} w {tuple(w.shape)}")
@@ -299,6 +443,9 @@ def skinny_linear(
         return out.zero_()
     config = config or default_config(m, n, k, _sm_count(x.device))
     config.check()
+    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
+    if conv is not None and config.split_k > 1:
+        config = dataclasses.replace(config, split_k=1)
 
     # K ranges are whole steps; splits that would start past K are dropped (the count stays static)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -309,18 +456,20 @@ def skinny_linear(
     else:
         target, stride_om, stride_os = out, out.stride(0), 0
     grid = (triton.cdiv(n, config.block_n), split_k)
-    args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os)
+    args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os, *conv_args)
+    conv_options = {"HAS_CONV": conv is not None, "CONV_K": conv_kernel,
+                    "CONV_BLOCK": triton.next_power_of_2(conv_kernel)}  # fmt: skip
     if config.use_dot:
         _skinny_dot_kernel[grid](
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **conv_options,
             num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages,
+            UNROLL=config.unroll, **conv_options, num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     if split_k > 1:

@@ -41,6 +41,7 @@ __all__ = [
     "Kernels",
     "REFERENCE",
     "fast_kernels",
+    "gdn_in_projection",
     "gdn_split_heads",
     "kernels_name",
     "qkv_heads",
@@ -52,6 +53,9 @@ __all__ = [
 # (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch)
 # -> o [N, nv, dv] in fp32 or the model dtype (the gated norm casts it to the model dtype first)
 GdnStep = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, Tensor, Tensor, "StepBatch"], Tensor]
+# (w, variant, x [B, H] the normed layer input, conv_slots, rec_slots, batch) -> (o [B, nv, dv] as GdnStep's,
+# z [B, value_dim]): the input projection, conv step and recurrence of one decode token per row
+GdnDecode = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, "StepBatch"], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Kernels:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
     swiglu: Callable[[Tensor, Tensor], Tensor]  # (gate, up) -> silu(gate) * up
-    gdn_decode: GdnStep  # one token per row (N == B): graph-capturable
+    gdn_decode: GdnDecode  # one token per row (N == B): graph-capturable
     gdn_prefill: GdnStep  # rows of any length
     # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale) -> [B, nH, D]: graph-capturable
     decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
@@ -158,6 +162,20 @@ def _reference_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: boo
     )  # fmt: skip
 
 
+def gdn_in_projection(
+    w: GdnLayerView, x: Tensor, linear: Callable[[Tensor, Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [N, H] -> mixed_qkv [N, conv_dim] (to be convolved), z [N, value_dim], a [N, nv], b [N, nv]."""
+    if w.in_proj is not None:  # one GEMM for the four projections (stacked [qkv; z; b; a])
+        mixed_qkv, z, b, a = linear(x, w.in_proj).split(_in_proj_sizes(w), dim=-1)
+        return mixed_qkv, z, a, b
+    return linear(x, w.in_proj_qkv), linear(x, w.in_proj_z), linear(x, w.in_proj_a), linear(x, w.in_proj_b)
+
+
+def _in_proj_sizes(w: GdnLayerView) -> list[int]:
+    return [w.in_proj_qkv.shape[0], w.in_proj_z.shape[0], w.in_proj_b.shape[0], w.in_proj_a.shape[0]]
+
+
 def split_conv_output(variant: Variant, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Conv output [..., conv_dim] -> q, k [..., nk, dk], v [..., nv, dv] (views, key heads unrepeated)."""
     key_dim = variant.linear_key_dim
@@ -206,20 +224,14 @@ def _reference_gdn_rows(
 
 
 def _reference_gdn_decode(
-    w: GdnLayerView,
-    variant: Variant,
-    mixed_qkv: Tensor,
-    a: Tensor,
-    b: Tensor,
-    conv_slots: Tensor,
-    rec_slots: Tensor,
-    batch: StepBatch,
-) -> Tensor:
+    w: GdnLayerView, variant: Variant, x: Tensor, conv_slots: Tensor, rec_slots: Tensor, batch: StepBatch
+) -> tuple[Tensor, Tensor]:
+    mixed_qkv, z, a, b = gdn_in_projection(w, x, F.linear)
     conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
     o, conv_state, rec_state = _reference_gdn_rows(w, variant, mixed_qkv, a, b, conv_in, rec_in)
     conv_slots.index_copy_(0, batch.state_out, conv_state.to(conv_slots.dtype))
     rec_slots.index_copy_(0, batch.state_out, rec_state)
-    return o
+    return o, z
 
 
 def _reference_gdn_prefill(
@@ -280,27 +292,40 @@ REFERENCE = Kernels(
 # ---- fast compositions (CUDA) -------------------------------------------------------------------
 
 
+# rows for which the GDN input projection runs our GEMV with the conv step in its epilogue. H200 graph
+# replay, same process (`tools.ab_step --env`, 2026-11-30), fused against projection + conv kernel:
+# B = 8 27B 14.886 vs 14.946 ms, 35B-A3B 5.969 vs 6.010 ms (there the fused GEMV also replaces cuBLAS);
+# B = 1 slower, 27B 13.205 vs 13.057 ms, 35B-A3B 2.391 vs 2.372 ms (the one-row GEMV's 2-column programs,
+# thousands of them, each paying the conv's scattered loads and stores), so one row keeps the conv kernel.
+_CONV_EPILOGUE_ROWS = range(2, 9)
+
+
 def _fast_gdn_decode(
-    w: GdnLayerView,
-    variant: Variant,
-    mixed_qkv: Tensor,
-    a: Tensor,
-    b: Tensor,
-    conv_slots: Tensor,
-    rec_slots: Tensor,
-    batch: StepBatch,
-) -> Tensor:
-    """Two launches, both updating the pools in place: conv step over the slots, then the recurrence."""
+    w: GdnLayerView, variant: Variant, x: Tensor, conv_slots: Tensor, rec_slots: Tensor, batch: StepBatch
+) -> tuple[Tensor, Tensor]:
+    """Two launches, both updating the pools in place: the stacked input projection (our GEMV) with the
+    conv step over the slots in its epilogue, then the recurrence, at 2..8 rows. One row, more than 8, or
+    no stacked rows: the projection, the conv step kernel, the recurrence."""
     from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
     from ninfer.ops.triton.gdn_decode import gdn_decode_step
+    from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
 
-    conv_out = causal_conv1d_update_slots(
-        mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh
-    )
+    if w.in_proj is not None and x.shape[0] in _CONV_EPILOGUE_ROWS and x.dtype == w.in_proj.dtype:
+        conv = ConvStep(
+            pool=conv_slots, weight=w.conv_weight, state_in=batch.state_in, state_out=batch.state_out,
+            fresh=batch.fresh,
+        )  # fmt: skip
+        conv_out, z, b, a = skinny_linear(x, w.in_proj, conv=conv).split(_in_proj_sizes(w), dim=-1)
+    else:
+        mixed_qkv, z, a, b = gdn_in_projection(w, x, _fast_linear)
+        conv_out = causal_conv1d_update_slots(
+            mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh
+        )
     q, k, v = split_conv_output(variant, conv_out)
-    return gdn_decode_step(
+    o = gdn_decode_step(
         q, k, v, a, b, w.A_log, w.dt_bias, rec_slots, batch.state_in, batch.state_out, fresh=batch.fresh
     )
+    return o, z
 
 
 # the chunk length of fla's varlen chunked delta rule (passed to it) and conv (fixed at 64 inside fla)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.ops.rope import mrope_cos_sin
-from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_split_heads, qkv_heads
+from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_in_projection, gdn_split_heads, qkv_heads
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
     AttentionLayerView,
@@ -381,12 +381,7 @@ def gdn_projection(
     w: GdnLayerView, x: Tensor, kernels: Kernels = REFERENCE
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [N, H] -> mixed_qkv [N, conv_dim] (to be convolved), z [N, value_dim], a [N, nv], b [N, nv]."""
-    linear = kernels.linear
-    if w.in_proj is not None:  # one GEMM for the four projections (stacked [qkv; z; b; a])
-        sizes = [w.in_proj_qkv.shape[0], w.in_proj_z.shape[0], w.in_proj_b.shape[0], w.in_proj_a.shape[0]]
-        mixed_qkv, z, b, a = linear(x, w.in_proj).split(sizes, dim=-1)
-        return mixed_qkv, z, a, b
-    return linear(x, w.in_proj_qkv), linear(x, w.in_proj_z), linear(x, w.in_proj_a), linear(x, w.in_proj_b)
+    return gdn_in_projection(w, x, kernels.linear)
 
 
 def gdn_output(
@@ -431,10 +426,15 @@ def gdn_activation(
     rec_slots: Tensor,
     kernels: Kernels = REFERENCE,
 ) -> Tensor:
-    """`gdn_mixer` up to out_proj: the gated norm output [N, nv*dv]."""
-    mixed_qkv, z, a, b = gdn_projection(w, x, kernels)
-    step = kernels.gdn_decode if batch.is_decode else kernels.gdn_prefill
-    o = step(w, variant, mixed_qkv, a, b, conv_slots, rec_slots, batch)
+    """`gdn_mixer` up to out_proj: the gated norm output [N, nv*dv].
+
+    Decode takes the layer input whole, so that the fast table can run the conv step inside the input
+    projection's epilogue."""
+    if batch.is_decode:
+        o, z = kernels.gdn_decode(w, variant, x, conv_slots, rec_slots, batch)
+    else:
+        mixed_qkv, z, a, b = gdn_projection(w, x, kernels)
+        o = kernels.gdn_prefill(w, variant, mixed_qkv, a, b, conv_slots, rec_slots, batch)
     return gdn_gated_norm(w, variant, o, z, kernels)
 
 
