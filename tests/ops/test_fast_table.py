@@ -3,8 +3,9 @@
 The kernels themselves are tested one by one (tests/ops/test_triton_*.py); this checks the wiring that
 the model calls: which rows of the stacked MoE input projection are the router and which the shared
 expert, the shared expert's gate, the one-row GEMV dispatch and its fallback, the attention prologue and
-output gate. CPU tests run in the Triton interpreter in a child process (tiny fp32 shapes); end to end on
-a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
+output gate, the GDN decode step's split of the stacked input projection (with and without the conv step
+in the GEMV's epilogue). CPU tests run in the Triton interpreter in a child process (tiny fp32 shapes);
+end to end on a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
 """
 
 from __future__ import annotations
@@ -107,3 +108,44 @@ def test_linear_add_rms_norm_equals_the_reference_composition(table: ModuleType)
         got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
         torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
+@pytest.mark.parametrize("stacked", [True, False])
+def test_gdn_decode_matches_the_reference_step(table: ModuleType, rows: int, stacked: bool) -> None:
+    """The fast GDN decode step from the layer input (which columns of the stacked projection are the
+    conv input, z, b and a; the conv step's pool update) against the reference step, both pools included."""
+    from ninfer.targets.qwen3_6.view import GdnLayerView
+
+    gen = torch.Generator().manual_seed(20 + rows)
+    nk, nv, dk, dv, hidden, width, slots = 2, 4, 8, 8, 24, 4, 6
+    conv_dim = 2 * nk * dk + nv * dv
+    stack = torch.randn(conv_dim + nv * dv + 2 * nv, hidden, generator=gen) * hidden**-0.5
+    qkv, z, b, a = stack.split([conv_dim, nv * dv, nv, nv])
+    view = GdnLayerView(
+        in_proj_qkv=qkv, in_proj_z=z, in_proj_b=b, in_proj_a=a,
+        conv_weight=torch.randn(conv_dim, width, generator=gen) * 0.5,
+        dt_bias=torch.randn(nv, generator=gen), A_log=torch.randn(nv, generator=gen) * 0.5,
+        norm=torch.ones(dv), out_proj=torch.randn(hidden, nv * dv, generator=gen),
+        in_proj=stacked_rows((qkv, z, b, a)) if stacked else None,
+    )  # fmt: skip
+    assert (view.in_proj is not None) == stacked
+    variant = SimpleNamespace(
+        linear_key_dim=nk * dk, linear_value_dim=nv * dv, linear_num_key_heads=nk, linear_num_value_heads=nv,
+        linear_key_head_dim=dk, linear_value_head_dim=dv,
+    )  # fmt: skip
+    batch = SimpleNamespace(
+        state_in=torch.arange(rows), state_out=torch.arange(rows) + rows, fresh=torch.arange(rows) == 1
+    )
+    x = torch.randn(rows, hidden, generator=gen)
+    conv_pool = torch.randn(slots, conv_dim, width - 1, generator=gen)
+    rec_pool = torch.randn(slots, nv, dk, dv, generator=gen) * 0.1
+    want_conv, want_rec = conv_pool.clone(), rec_pool.clone()
+
+    want_o, want_z = table.REFERENCE.gdn_decode(view, variant, x, want_conv, want_rec, batch)
+    got_o, got_z = table._fast_gdn_decode(view, variant, x, conv_pool, rec_pool, batch)
+
+    torch.testing.assert_close(got_z, want_z, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_o, want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conv_pool, want_conv, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rec_pool, want_rec, rtol=1e-4, atol=1e-5)
