@@ -3,9 +3,11 @@
     python3 -m tools.ab_step PACKAGE --env NAME=A,B [--batch 1,8] [--rounds 3] [--context 2048]
 
 Random weights of the package's exact dims (as `tools.profile_step`), bf16. For each round and each B,
-every value of NAME is set in turn and the step is captured afresh in a CUDA graph (the fast table reads
-such switches while it is traced), then its median replay time printed. Machines differ by more than most
-changes (docs/benchmarks.md), so compare settings only within one run; the rounds interleave them.
+every value of NAME is set in turn and the step is captured afresh in a CUDA graph, then its median
+replay time printed. NAME must be read while the step is traced: an experiment patches such a switch into
+the op it compares (the tree keeps none; docs/benchmarks.md names the ones used), and a setting read once
+at import (`NINFER_PDL`) would time the same graph twice, so it is refused. Machines differ by more than
+most changes (docs/benchmarks.md), so compare settings only within one run; the rounds interleave them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.registry import get_package
 from tools.profile_step import graph_time_ms, make_batch
 
+_READ_AT_IMPORT = {"NINFER_PDL"}  # switches fixed when the op modules are imported
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -33,6 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     name, _, values = args.env.partition("=")
     settings = values.split(",")
+    if name in _READ_AT_IMPORT or len(settings) < 2:
+        parser.error(f"--env {args.env!r}: need NAME=A,B with NAME read while tracing ({name} is not)")
     device = torch.device("cuda")
     variant = get_package(args.package).variant
     view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)

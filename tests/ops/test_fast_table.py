@@ -112,10 +112,23 @@ def test_linear_add_rms_norm_equals_the_reference_composition(table: ModuleType)
 
 @pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
 @pytest.mark.parametrize("stacked", [True, False])
-def test_gdn_decode_matches_the_reference_step(table: ModuleType, rows: int, stacked: bool) -> None:
+def test_gdn_decode_matches_the_reference_step(
+    table: ModuleType, rows: int, stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fast GDN decode step from the layer input (which columns of the stacked projection are the
-    conv input, z, b and a; the conv step's pool update) against the reference step, both pools included."""
+    conv input, z, b and a; the conv step's pool update) against the reference step, both pools included;
+    the conv kernel runs exactly when the GEMV's epilogue does not (one row, or no stacked rows)."""
+    from ninfer.ops.triton import conv_update
     from ninfer.targets.qwen3_6.view import GdnLayerView
+
+    conv_kernel_calls = []
+    conv_kernel = conv_update.causal_conv1d_update_slots
+
+    def counted_conv_kernel(*args: object, **kwargs: object) -> torch.Tensor:
+        conv_kernel_calls.append(1)
+        return conv_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(conv_update, "causal_conv1d_update_slots", counted_conv_kernel)
 
     gen = torch.Generator().manual_seed(20 + rows)
     nk, nv, dk, dv, hidden, width, slots = 2, 4, 8, 8, 24, 4, 6
@@ -144,6 +157,8 @@ def test_gdn_decode_matches_the_reference_step(table: ModuleType, rows: int, sta
 
     want_o, want_z = table.REFERENCE.gdn_decode(view, variant, x, want_conv, want_rec, batch)
     got_o, got_z = table._fast_gdn_decode(view, variant, x, conv_pool, rec_pool, batch)
+
+    assert len(conv_kernel_calls) == (0 if stacked and rows > 1 else 1)
 
     torch.testing.assert_close(got_z, want_z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_o, want_o, rtol=1e-4, atol=1e-5)

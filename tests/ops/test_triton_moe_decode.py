@@ -128,8 +128,8 @@ def test_block_equals_the_two_kernel_path_exactly(
         down_config = fused.FusedMoeDecodeConfig(down_block_h=4, down_block_i=16, down_experts=1)
     if tiles == "tiny":  # masked gate_up columns (24 = 16 + 8), several K steps
         gate_up_config = kernels.RoutedGateUpConfig(block_n=16, block_k=16)
-    if tiles == "looped":  # 3 programs of 2 x 4 columns per slot, the last block wholly masked
-        gate_up_config = kernels.RoutedGateUpConfig(block_n=4, block_k=32, n_loop=2, warps=2)
+    if tiles == "looped":  # 2 programs of 2 x 8 columns per slot: the second's second block wholly masked
+        gate_up_config = kernels.RoutedGateUpConfig(block_n=8, block_k=32, n_loop=2, warps=2)
 
     got = block.run(kernels, top_k, gate_up_config, down_config)
 
@@ -157,7 +157,7 @@ def test_block_fp16_rounds_like_the_reference(kernels: ModuleType) -> None:
     assert (got != expected).float().mean() <= 0.05, "rounded at different points than the reference"
 
 
-def test_bad_arguments_are_named(kernels: ModuleType) -> None:
+def test_bad_arguments_are_named(kernels: ModuleType, fused: ModuleType) -> None:
     block = _Block(2, torch.Generator().manual_seed(50), exact=True)
     args = (block.x, block.projected, block.gate_up, block.down, block.shared_down, block.shared_gate)
     with pytest.raises(ValueError, match="projected must be"):
@@ -172,6 +172,14 @@ def test_bad_arguments_are_named(kernels: ModuleType) -> None:
         kernels.moe_decode_block(block.x, block.projected, block.gate_up, block.down[:, :-1], *args[4:], 2)
     with pytest.raises(ValueError, match="n_loop"):
         kernels.RoutedGateUpConfig(n_loop=3)
+    hidden, weights, ids, _ = kernels.routed_gate_up(
+        block.x, block.projected, block.gate_up, block.shared_gate, 2
+    )
+    with pytest.raises(ValueError, match="both shared_down and shared_weight"):
+        fused.decode_down_combine(
+            hidden, block.down, ids, weights, torch.empty_like(block.x), fused.FusedMoeDecodeConfig(),
+            shared_down=block.shared_down,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="shared_down"):
         kernels.moe_decode_block(*args[:4], block.shared_down[:-1], block.shared_gate, 2)
 

@@ -190,6 +190,10 @@ def test_conv_epilogue_rejects_bad_steps(kernels: ModuleType) -> None:
         kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 3), torch.zeros(5, 4)))
     with pytest.raises(ValueError, match="conv.state_in"):
         kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 3), torch.zeros(4, 4), slots[:1]))
+    with pytest.raises(ValueError, match="integer slot indices"):
+        kernels.skinny_linear(x, w, conv=step(torch.zeros(2, 4, 3), torch.zeros(4, 4), slots.float()))
+    with pytest.raises(ValueError, match="K >= 1"):
+        kernels.skinny_linear(x[:, :0], w[:, :0], conv=step(torch.zeros(2, 4, 3), torch.zeros(4, 4)))
 
 
 def test_default_config_shapes(kernels: ModuleType) -> None:

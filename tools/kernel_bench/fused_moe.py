@@ -18,7 +18,9 @@ fields) overrides the sorted path's table config, `--decode-config` (JSON of `Fu
 the decode path's, for every T. With OUT set, the rows also go to $OUT/fused_moe.json.
 
 MoE block rows (also in the default run; `--block` runs only them): at T in {1, 2, 4, 8} the whole decode MoE
-block after the hidden state as the model runs it, each inside one CUDA graph: new = router GEMM
+block after the hidden state as the model ran it before `moe_decode` (the model's decode block now:
+`tools/kernel_bench/moe_decode.py`; this is still its path for views without stacked rows), each inside one
+CUDA graph: new = router GEMM
 (E rows) + `moe_route_topk` (routing + shared-expert gate) + `fused_moe(shared=...)` (3 launches after
 the GEMM); old = the current torch sequence: stacked GEMM [router | shared gate | shared up], gate GEMV,
 `moe_route_logits`, `fused_moe`, swiglu, shared down GEMM and the fp32 combine. Each row gives both graph

@@ -726,6 +726,8 @@ def decode_down_combine(
     inter_size = hidden.shape[1]
     top_k = expert_ids.shape[1]
     block_i = min(config.down_block_i, triton.next_power_of_2(inter_size))
+    if (shared_down is None) != (shared_weight is None):
+        raise ValueError("pass both shared_down and shared_weight, or neither")
     has_shared = shared_down is not None and shared_weight is not None
     # no shared expert: placeholders the kernel never reads
     if not has_shared:

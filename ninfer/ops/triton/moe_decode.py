@@ -69,7 +69,8 @@ class RoutedGateUpConfig:
 # replay of the stacked GEMV + both launches): at T = 1 one block of 2 columns over the whole H per program
 # (29.0 us against 32.8 for the ticket-counter routing + fused_moe), at T = 8 the same tile with 4 blocks
 # per program (106.6 against 114.6 us; one block per program: 112.9), so that the 4608 programs' repeated
-# ranking shrinks to one wave's worth. T = 2..4 were not timed: 2 blocks per program.
+# ranking shrinks to one wave's worth. Not timed: T = 2 (16 pairs, the T = 1 tiles) and T = 3..4 (2 blocks
+# per program).
 _GATE_UP_CONFIGS: tuple[tuple[int, RoutedGateUpConfig], ...] = (
     (16, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=1, warps=4)),
     (32, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
@@ -295,9 +296,7 @@ def moe_decode_block(
     result up to fp32 summation order; two launches, no host sync. The configs default to
     `default_gate_up_config(T*K)` and `fused_moe.default_decode_config(T*K)` (its down tiles).
     """
-    hidden_states, weights, ids, shared_weight = routed_gate_up(
-        x, projected, gate_up, shared_expert_gate, top_k, gate_up_config
-    )
+    _check(x, projected, gate_up, shared_expert_gate, top_k)  # before anything is launched
     tokens, hidden_size = x.shape
     if down.shape != (gate_up.shape[0], hidden_size, gate_up.shape[1] // 2) or down.stride(-1) != 1:
         raise ValueError(
@@ -305,6 +304,9 @@ def moe_decode_block(
         )
     if shared_down.shape != (hidden_size, gate_up.shape[1] // 2) or shared_down.stride(-1) != 1:
         raise ValueError(f"shared_down must be [{hidden_size}, I] contiguous, got {tuple(shared_down.shape)}")
+    hidden_states, weights, ids, shared_weight = routed_gate_up(
+        x, projected, gate_up, shared_expert_gate, top_k, gate_up_config
+    )
     out = torch.empty_like(x)
     if tokens == 0:
         return out

@@ -136,7 +136,9 @@ class ConvStep:
     state_in[m] < 0), y[m, c]] in y's dtype, out[m, c] = silu(window . weight[c]) (fp32 math, rounded to
     y's dtype) and pool[state_out[m], c, :] = window[1:] (not written when state_out[m] < 0): what
     `conv_update.causal_conv1d_update_slots` does to the projection's first C columns. pool [S, C, K-1]
-    contiguous, weight [C, K], state_in / state_out [M] integer slots, fresh [M] bool.
+    contiguous, weight [C, K], state_in / state_out [M] integer slots, fresh [M] bool, all on x's device.
+    As there, slots written by one row must not be read or written by another row (state_out may equal
+    the row's own state_in).
     """
 
     pool: torch.Tensor
@@ -396,6 +398,11 @@ def _conv_launch_args(conv: ConvStep | None, x: torch.Tensor, m: int, n: int) ->
         )
     if weight.shape[0] != channels or kernel < 2:
         raise ValueError(f"conv.weight must be [{channels}, K >= 2], got {tuple(weight.shape)}")
+    for name in ("pool", "weight", "state_in", "state_out", "fresh"):
+        if getattr(conv, name).device != x.device:
+            raise ValueError(f"conv.{name} is on {getattr(conv, name).device}, x on {x.device}")
+    if conv.state_in.is_floating_point() or conv.state_out.is_floating_point():
+        raise ValueError("conv.state_in and conv.state_out must be integer slot indices")
     for name in ("state_in", "state_out", "fresh"):
         shape = tuple(getattr(conv, name).shape)
         if shape != (m,):
@@ -437,13 +444,15 @@ def skinny_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a unit stride along N")
+    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
     if m == 0 or n == 0:
         return out
     if k == 0:
+        if conv is not None:
+            raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
         return out.zero_()
     config = config or default_config(m, n, k, _sm_count(x.device))
     config.check()
-    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
     if conv is not None and config.split_k > 1:
         config = dataclasses.replace(config, split_k=1)
 

@@ -304,8 +304,10 @@ def _fast_gdn_decode(
     w: GdnLayerView, variant: Variant, x: Tensor, conv_slots: Tensor, rec_slots: Tensor, batch: StepBatch
 ) -> tuple[Tensor, Tensor]:
     """Two launches, both updating the pools in place: the stacked input projection (our GEMV) with the
-    conv step over the slots in its epilogue, then the recurrence, at 2..8 rows. One row, more than 8, or
-    no stacked rows: the projection, the conv step kernel, the recurrence."""
+    conv step over the slots in its epilogue, then the recurrence, at 2..8 rows. That GEMV replaces cuBLAS
+    there whether or not `prefers_skinny` would (35B-A3B's (8, 12352, 2048) runs the untuned dot tile,
+    unsplit: the A/B above is with it). One row, more than 8, or no stacked rows: the projection
+    (`_fast_linear`), the conv step kernel, the recurrence."""
     from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
     from ninfer.ops.triton.gdn_decode import gdn_decode_step
     from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
@@ -483,10 +485,11 @@ def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Ten
 
 
 def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
-    """Decode (up to DECODE_MAX_PAIRS token x expert pairs): the stacked input GEMV (router logits and the
-    shared expert's gate and up), then `moe_decode_block`'s two launches (the routing inside the experts'
-    gate/up launch; down + weighted combine). Otherwise (prefill, or a view without the stacked rows):
-    the router GEMM, the routing kernel, then `fused_moe` with the shared expert as one more weighted slot."""
+    """Decode (up to DECODE_MAX_PAIRS token x expert pairs, stacked input rows, a shared expert as wide as
+    the routed ones): the stacked input GEMV (router logits and the shared expert's gate and up), then
+    `moe_decode_block`'s two launches (the routing inside the experts' gate/up launch; down + weighted
+    combine). Otherwise: the router GEMM, the routing kernel, then `fused_moe` with the shared expert as one
+    more weighted slot (a wider shared expert takes its sorted path)."""
     from ninfer.ops.triton.fused_moe import DECODE_MAX_PAIRS, SharedExpert, default_config, fused_moe
     from ninfer.ops.triton.moe_decode import moe_decode_block
     from ninfer.ops.triton.moe_routing import moe_route_topk
