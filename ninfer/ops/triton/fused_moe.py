@@ -81,6 +81,7 @@ from ninfer.ops.triton import pdl
 
 __all__ = [
     "DECODE_MAX_PAIRS",
+    "check_powers_of_two",
     "decode_down_combine",
     "gate_up_rows",
     "ExpertBlocks",
@@ -157,9 +158,14 @@ class FusedMoeDecodeConfig:
     down_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name, value in dataclasses.asdict(self).items():
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"FusedMoeDecodeConfig.{name} must be a power of two, got {value}")
+        check_powers_of_two(self)
+
+
+def check_powers_of_two(config: object) -> None:
+    """ValueError naming the first field of the dataclass ``config`` that is not a power of two."""
+    for name, value in dataclasses.asdict(config).items():  # type: ignore[call-overload]
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{type(config).__name__}.{name} must be a power of two, got {value}")
 
 
 # (largest T*K, config). The default, at H=2048, I=512 and T=1 (8 pairs): gate_up runs 8 x 64 programs,

@@ -37,6 +37,7 @@ from ninfer.ops.triton import pdl
 from ninfer.ops.triton.fused_moe import (
     DECODE_MAX_PAIRS,
     FusedMoeDecodeConfig,
+    check_powers_of_two,
     decode_down_combine,
     default_decode_config,
     gate_up_rows,
@@ -60,9 +61,7 @@ class RoutedGateUpConfig:
     warps: int = 4
 
     def __post_init__(self) -> None:
-        for name, value in dataclasses.asdict(self).items():
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"RoutedGateUpConfig.{name} must be a power of two, got {value}")
+        check_powers_of_two(self)
 
 
 # (largest T*K, tiles) from the H200 sweep (`python3 -m tools.kernel_bench.moe_decode`, 2026-11-30, graph
