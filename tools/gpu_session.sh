@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
-# and a one-line status to stdout. Steps: see the case below (tests, opstests, gputests and its two halves
+# and a one-line status to stdout. Steps: see the case below (tests, pytests (PYTESTS=files), opstests, gputests and its two halves
 # graphtest / fastpathtests, gemmmoetests, moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode:
 # the decode MoE block's tiles), ab (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step),
 # bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27, hostround27/35, skinny,
@@ -41,9 +41,9 @@ for step in "$@"; do
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
     timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
-    timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 ;;
+    timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} ;;
     hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
-    hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch 8 ;;
+    hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch ${HOSTROUND_BATCH:-8} ;;
     chain) timeout 200 python3 -m tools.kernel_bench.skinny_chain ;;
     skinny) timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/ops/test_triton_skinny_gemm.py -k real_shapes ;;
     skinnyconv) timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py -k "conv or real_shapes" ;;
@@ -51,6 +51,7 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
+    pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs $PYTESTS ;;
     moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
     moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
     ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;

@@ -24,6 +24,7 @@ guide (the CPU's own forward pass between rounds evicts the caches this code run
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--gc", choices=("default", "freeze", "off"), default="default")
     args = parser.parse_args()
     config = EngineConfig(
         max_concurrency=args.batch,
@@ -101,9 +103,19 @@ def main() -> None:
         warmup=True,
     )
     engine = start_synthetic(args.package, config, seed=0).engine
+    if args.gc == "freeze":
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     if not torch.cuda.is_available() or args.device == "cpu":
         torch.set_num_threads(1)  # idle intra-op threads spinning after the forward would steal the core
     stamps = PhaseStamps(engine.core)
+    unit_starts: list[float] = []  # decode units of all B rows: the round as `ninfer bench` times it
+    engine.core.observer = lambda core, unit: (
+        unit_starts.append(time.perf_counter())
+        if unit.kind.value == "decode" and len(unit.members) == args.batch
+        else None
+    )
     try:
         gen = torch.Generator().manual_seed(0)
         handles = [
@@ -121,6 +133,9 @@ def main() -> None:
             time.sleep(0.005)
     finally:
         engine.close()
+    rounds = [(b - a) * 1e3 for a, b in zip(unit_starts, unit_starts[1:])][16:]
+    round_ms = statistics.median(rounds) if rounds else float("nan")
+    print(f"{args.package} B={args.batch}: decode round {round_ms:.3f} ms (median, after the first 16)")
     print(f"{args.package} B={args.batch}: host time per phase (medians over the rounds after the first 16)")
     for span, (count, median) in stamps.medians(skip=16).items():
         print(f"   {span:28s} {median:9.1f} us   ({count} spans)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -37,6 +38,15 @@ from ninfer.types import EngineConfig, GenerationRequest
 IDLE_GAP_US = 20.0  # a gap between two kernels longer than this is the GPU waiting for the host
 
 
+def _current_cpu() -> int:
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat), -1 where unknown."""
+    try:
+        with open("/proc/thread-self/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 class DecodeProfiler:
     """Observer: times every decode round of ``rows`` rows, profiles rounds skip..skip+steps (cProfile),
     then traces the next ``trace`` rounds (torch profiler, host and device)."""
@@ -48,6 +58,7 @@ class DecodeProfiler:
         self.profiled_marks: list[float] = []
         self.tracer: torch.profiler.profile | None = None
         self.traced = False
+        self.worker_cpus: list[int] = []
 
     def __call__(self, core: object, unit: object) -> None:
         if unit.kind.value != "decode" or len(unit.members) != self.rows:  # type: ignore[attr-defined]
@@ -55,6 +66,8 @@ class DecodeProfiler:
         now = time.perf_counter()
         self.marks.append(now)
         seen = len(self.marks)
+        if seen in (2, self.skip // 2):  # which CPU the worker runs on (Linux; after the timed mark)
+            self.worker_cpus.append(_current_cpu())
         if seen == self.skip:
             self.profile.enable()
         if self.skip <= seen <= self.skip + self.steps:
@@ -147,7 +160,8 @@ class ReplayTimer:
             "before_launch_to_graph_end_us": statistics.median(launch_and_graph),
             "graph_end_to_next_launch_us": statistics.median(between),
             "replay_call_host_us": statistics.median(host),
-            "graph_end_to_sampler_end_us": statistics.median(sampler),
+            # no sampler launches when every row is greedy: the graph's own argmax gives the tokens
+            "graph_end_to_sampler_end_us": statistics.median(sampler) if sampler else float("nan"),
             "host_read_back_to_next_launch_us": statistics.median(host_after_read_back),
         }
 
@@ -190,6 +204,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--trace", type=int, default=16, help="rounds traced on CUDA (0: none)")
+    parser.add_argument(
+        "--gc", choices=("default", "freeze", "off"), default="default",
+        help="after start-up: leave the collector alone, gc.freeze() the start-up heap, or gc.disable()",
+    )  # fmt: skip
     args = parser.parse_args()
     skip = args.steps  # unprofiled rounds first: the baseline interval
     config = EngineConfig(
@@ -203,6 +221,21 @@ def main() -> None:
         warmup=True,
     )
     started = start_synthetic(args.package, config, seed=0)
+    if args.gc == "freeze":
+        gc.freeze()  # the start-up objects leave the generations the collector walks
+    elif args.gc == "off":
+        gc.disable()
+    collections: list[tuple[float, int, float]] = []  # (start, generation, seconds), every thread
+    started_at: dict[int, float] = {}
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started_at[info["generation"]] = time.perf_counter()
+        else:
+            begun = started_at.pop(info["generation"], time.perf_counter())
+            collections.append((begun, info["generation"], time.perf_counter() - begun))
+
+    gc.callbacks.append(on_gc)
     engine = started.engine
     trace = args.trace if torch.cuda.is_available() else 0
     profiler = DecodeProfiler(args.batch, skip, args.steps, trace)
@@ -227,7 +260,18 @@ def main() -> None:
     def median_ms(marks: list[float]) -> float:
         return statistics.median(b - a for a, b in zip(marks, marks[1:])) * 1e3
 
+    gc.callbacks.remove(on_gc)
+    print(f"worker thread on CPUs {profiler.worker_cpus}; main thread on CPU {_current_cpu()}", flush=True)
     baseline = median_ms(profiler.marks[1:skip])
+    window = (profiler.marks[1], profiler.marks[skip - 1]) if len(profiler.marks) >= skip else (0.0, 0.0)
+    timed = [(g, d) for t, g, d in collections if window[0] <= t <= window[1]]
+    per_gen = {g: sum(1 for gen, _ in timed if gen == g) for g in (0, 1, 2)}
+    print(
+        f"gc ({args.gc}) during the {skip - 2} unprofiled rounds: {len(timed)} collections {per_gen}, "
+        f"{sum(d for _, d in timed) * 1e3:.3f} ms in all, "
+        f"longest {max((d for _, d in timed), default=0) * 1e6:.0f} us",
+        flush=True,
+    )
     print(f"{args.package} B={args.batch}: decode round {baseline:.3f} ms unprofiled", flush=True)
     print(f"   profiled: {median_ms(profiler.profiled_marks):.3f} ms", flush=True)
     for order in ("tottime", "cumulative"):

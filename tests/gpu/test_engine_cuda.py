@@ -32,8 +32,26 @@ def _engine(artifact: Path, graphs: bool, package: str) -> Engine:
     return Engine(artifact, config)
 
 
+def _count_sampler_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+
+    calls: list[int] = []
+    sample = program_module.sample
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(program_module, "sample", counted)
+    return calls
+
+
 @pytest.mark.parametrize("package", ["qwen3_6_tiny", "qwen3_6_tiny_moe"])
-def test_decode_graphs_match_eager(package: str, tiny_artifact: Path, tiny_moe_artifact: Path) -> None:
+def test_decode_graphs_match_eager(
+    package: str, tiny_artifact: Path, tiny_moe_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows: graphed decode takes its tokens from the graph's own argmax, so the sampler runs only
+    after each request's prefill."""
     artifact = tiny_artifact if package == "qwen3_6_tiny" else tiny_moe_artifact
     with _engine(artifact, False, package) as eager:
         expected = _run_all(eager)
@@ -41,7 +59,10 @@ def test_decode_graphs_match_eager(package: str, tiny_artifact: Path, tiny_moe_a
         program = graphed.core._program
         assert program._graphs is not None and program._graphs.sizes == list(range(1, 9))
         before = dict(program._graphs.replays)
+        sampler_calls = _count_sampler_calls(monkeypatch)
         actual = _run_all(graphed)
+        assert len(sampler_calls) == len(PROMPTS)
+        monkeypatch.undo()
         replayed = {b: n - before.get(b, 0) for b, n in program._graphs.replays.items()}
         # host time per decode step, one request (the tiny model's GPU work is small: this is overhead)
         torch.cuda.synchronize()
@@ -57,3 +78,24 @@ def test_decode_graphs_match_eager(package: str, tiny_artifact: Path, tiny_moe_a
         f"\n{package}: graph replays per B {sorted(replayed.items())}; B=1 decode: "
         f"{1e3 * wall / n:.2f} ms/token wall, {1e3 * cpu / n:.2f} ms/token process CPU over {n} tokens"
     )
+
+
+def test_sampled_rows_in_graphs_match_eager(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that sample (temperature, a seed) next to greedy ones: the graphed decode runs the sampler
+    on the graph's logits and draws the same tokens as eager decode."""
+
+    def run(engine: Engine) -> list[tuple[int, ...]]:
+        requests = [
+            GenerationRequest(prompt=p, max_tokens=16 + i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+            for i, p in enumerate(PROMPTS[:4])
+        ]
+        handles = [engine.submit(r) for r in requests]
+        return [h.result().token_ids for h in handles]
+
+    with _engine(tiny_artifact, False, "qwen3_6_tiny") as eager:
+        expected = run(eager)
+    with _engine(tiny_artifact, True, "qwen3_6_tiny") as graphed:
+        sampler_calls = _count_sampler_calls(monkeypatch)
+        actual = run(graphed)
+    assert actual == expected
+    assert len(sampler_calls) > 4 + 15, "the decode rounds with sampled rows run the sampler"

@@ -7,6 +7,10 @@ copy before replay. Unpacking them into the model's `StepBatch` (casts, the bloc
 gather) is part of the captured work. Request identity and page ids are data, never part of the key,
 so one graph per ``B`` serves every mix of requests. Graphs share one memory pool and are captured
 once, at Program construction (warmup), never on the request path.
+
+Each graph ends with the argmax of its logits: rows that all decode greedily, without penalties or
+log-probs, take their tokens from it and skip the sampler's launches after the replay (the argmax over
+the vocabulary costs every other step a few microseconds inside the graph).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class _Graph:
         self.staging_array = self.staging.numpy()  # the same memory: a list is written in with no tensor
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None  # [B] int64: argmax of each row's logits
 
 
 class DecodeGraphs:
@@ -48,6 +53,7 @@ class DecodeGraphs:
                     fn(g.inputs)
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
                     g.logits = fn(g.inputs)
+                    g.greedy = g.logits.argmax(dim=-1)
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -55,16 +61,16 @@ class DecodeGraphs:
     def sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, values: list[int], rows: int) -> tuple[torch.Tensor, PackedStep]:
+    def run(self, values: list[int], rows: int) -> tuple[torch.Tensor, PackedStep, torch.Tensor]:
         """Copy a decode step's packed ``values`` (`StepBuilder.decode_values`, ``rows`` rows) in and
-        replay: (logits, the step on the device).
+        replay: (logits, the step on the device, each row's argmax token).
 
-        The device step is the graph's static buffer: valid until the next `run`.
+        All three are the graph's static buffers: valid until the next `run`.
         """
         g = self._graphs[rows]
         g.staging_array[:] = values
         g.inputs.values.copy_(g.staging, non_blocking=True)
         g.graph.replay()
         self.replays[rows] = self.replays.get(rows, 0) + 1
-        assert g.logits is not None
-        return g.logits, g.inputs
+        assert g.logits is not None and g.greedy is not None
+        return g.logits, g.inputs, g.greedy

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -85,6 +86,14 @@ class _Provisional:
     kind: str
     # per row: positions the unit consumed from the committed frontier (prompt chunk or forced inputs)
     consumed: tuple[int, ...]
+
+
+class _StepRun(NamedTuple):
+    """What one step leaves on the device for the sampler."""
+
+    logits: torch.Tensor | None
+    step: PackedStep  # the step's packed facts (positions, sequence indices)
+    greedy: torch.Tensor | None = None  # each row's argmax token, where a decode graph computed it
 
 
 def _sampler_params(sampling: SamplingParams) -> OpsSamplingParams:
@@ -304,8 +313,8 @@ class Qwen36Program:
             seq.frontier += len(chunk)  # prompt chunks commit directly: the prompt is known
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
         chunk = seq.prompt[start:]
-        logits, step = self._run([seq], [chunk], write_spare=True, logits="last")
-        return self._pending("prefill", [seq], logits, step, consumed=(len(chunk),))
+        run = self._run([seq], [chunk], write_spare=True, logits="last")
+        return self._pending("prefill", [seq], run, consumed=(len(chunk),))
 
     @torch.inference_mode()
     def decode(
@@ -326,10 +335,8 @@ class Qwen36Program:
                 raise ProgramInvariantError(f"sequence {s.handle} is not decode-ready")
             if s.frontier + 1 > s.max_total:
                 raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
-        logits, step = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
-        return self._pending(
-            "decode", seqs, logits, step, consumed=(1,) * len(seqs), while_running=while_running
-        )
+        run = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
+        return self._pending("decode", seqs, run, consumed=(1,) * len(seqs), while_running=while_running)
 
     @torch.inference_mode()
     def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
@@ -346,7 +353,7 @@ class Qwen36Program:
         # new pending input: exactly the state after sampling those tokens, with no sampler involved
         inputs = (seq.pending_input, *tokens[:-1])
         want = seq.logprobs.enabled
-        logits, _ = self._run([seq], [inputs], write_spare=True, logits="all" if want else "none")
+        logits = self._run([seq], [inputs], write_spare=True, logits="all" if want else "none").logits
         # log-probs the model gave the forced tokens (reported like sampled ones; no sampler, no RNG)
         logprobs = _forced_logprobs(logits, tokens, seq.logprobs.top_n) if want else None
         row = PendingRow(handle=handle, tokens=tokens, base_frontier=seq.frontier, logprobs=logprobs)
@@ -397,16 +404,16 @@ class Qwen36Program:
         *,
         write_spare: bool,
         logits: str,
-    ) -> tuple[torch.Tensor | None, PackedStep]:
-        """Run one step: (its logits, its packed facts on the device, read by the sampler)."""
+    ) -> _StepRun:
+        """Run one step (a decode of one token per row replays its CUDA graph when there is one)."""
         if self._graphs is not None and logits == "last" and all(len(row) == 1 for row in inputs):
             values = self._steps.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
-            return self._graphs.run(values, len(seqs))
+            return _StepRun(*self._graphs.run(values, len(seqs)))
         packed = self._steps.pack(seqs, inputs, write_spare=write_spare)
         step = self._steps.to_device(packed)
         batch = self._steps.unpack(step)
         out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
-        return out.logits, step
+        return _StepRun(out.logits, step)
 
     def _decode_logits(self, step: PackedStep) -> torch.Tensor:
         """The unit a decode graph captures: the packed inputs (one token per row) unpacked, then the
@@ -422,14 +429,13 @@ class Qwen36Program:
         self,
         kind: str,
         seqs: Sequence[SequenceState],
-        logits: torch.Tensor | None,
-        step: PackedStep,
+        run: _StepRun,
         consumed: tuple[int, ...],
         while_running: Callable[[], None] | None = None,
     ) -> PendingBatch:
-        assert logits is not None
+        assert run.logits is not None
         batch = self._sampling_batch(seqs)
-        fields = step.fields()
+        fields = run.step.fields()
         # the counter of a draw is the absolute position of the sampled token: the row's context length
         # after the step (frontier + consumed), already on the device with the step's inputs
         positions = fields.context_lens
@@ -437,21 +443,26 @@ class Qwen36Program:
         index = fields.sequence_index
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
-        result = sample(
-            logits,
-            batch,
-            positions,
-            prompt_mask=self._prompt_mask[index] if penalised else None,
-            output_counts=self._output_counts[index] if penalised else None,
-            num_logprobs=top_n,
-            with_logprob=want_logprobs,
-        )
+        if run.greedy is not None and batch.all_greedy and not penalised and not want_logprobs:
+            result = None  # exactly the sampler's tokens then: the argmax of the raw logits
+            drawn = run.greedy
+        else:
+            result = sample(
+                run.logits,
+                batch,
+                positions,
+                prompt_mask=self._prompt_mask[index] if penalised else None,
+                output_counts=self._output_counts[index] if penalised else None,
+                num_logprobs=top_n,
+                with_logprob=want_logprobs,
+            )
+            drawn = result.tokens
         if while_running is not None:
             while_running()  # the unit and its sampler are queued: the Engine's host work overlaps them
-        tokens = result.tokens.tolist()  # the one host sync of a unit: the Engine needs the tokens
-        chosen = result.logprob.tolist() if want_logprobs else []
-        top_ids = result.top_ids.tolist() if top_n else []
-        top_lp = result.top_logprobs.tolist() if top_n else []
+        tokens = drawn.tolist()  # the one host sync of a unit: the Engine needs the tokens
+        chosen = result.logprob.tolist() if result is not None and want_logprobs else []
+        top_ids = result.top_ids.tolist() if result is not None and top_n else []
+        top_lp = result.top_logprobs.tolist() if result is not None and top_n else []
         rows = []
         for i, s in enumerate(seqs):
             lp = None
