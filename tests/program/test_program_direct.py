@@ -180,3 +180,56 @@ def test_decode_calls_while_running_once_and_a_raising_callback_opens_nothing() 
     again = program.decode([handle], [4])
     assert again.rows[0].base_frontier == frontier and again.rows[0].tokens == expected
     commit_all(program, again)
+
+
+def _with_graph_argmax(program: Qwen36Program, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Give every one-token-per-row step the argmax a decode graph computes (CPU has no graphs), and
+    count the sampler's calls."""
+    from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+
+    run, sample, calls = program._run, program_module.sample, []
+
+    def run_with_argmax(seqs: list, inputs: list, *, write_spare: bool, logits: str) -> object:
+        out = run(seqs, inputs, write_spare=write_spare, logits=logits)
+        one_token = logits == "last" and all(len(row) == 1 for row in inputs)
+        return out._replace(greedy=out.logits.argmax(dim=-1)) if one_token else out
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(program, "_run", run_with_argmax)
+    monkeypatch.setattr(program_module, "sample", counted)
+    return calls
+
+
+def test_greedy_rows_take_the_graphs_argmax_and_others_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that all decode greedily without log-probs take their tokens from the step's argmax (no
+    sampler call) and still give transformers' tokens; a sampled row or a row wanting log-probs in the
+    unit runs the sampler for every row, with the tokens of a Program without the argmax."""
+    ps = prompts(2)
+
+    def run(argmax: bool, temperature: float, logprobs: LogprobParams) -> tuple[list[list[int]], int]:
+        program = make_program("qwen3_6_tiny", 2)
+        calls = _with_graph_argmax(program, monkeypatch) if argmax else []
+        handles = []
+        for i, p in enumerate(ps):
+            sampling = SamplingParams(seed=5 + i, temperature=temperature * i)
+            plan = program.plan_materialization(RequestPlan(tuple(p), 6, sampling, logprobs, "d"))
+            assert isinstance(plan, ResourcePlan), plan
+            handles.append(program.finish(program.start(plan)).handle)
+        out = [commit_all(program, program.prefill(h, 64)) for h in handles]
+        prefill_calls = len(calls)
+        for _ in range(5):
+            for i, t in enumerate(commit_all(program, program.decode(handles, [5, 5]))):
+                out[i].append(t)
+        monkeypatch.undo()
+        return out, len(calls) - prefill_calls
+
+    greedy, sampler_calls = run(True, 0.0, LogprobParams())
+    assert sampler_calls == 0
+    assert greedy == [hf_generate("qwen3_6_tiny", tuple(p), 6) for p in ps]
+    for temperature, logprobs in ((0.9, LogprobParams()), (0.0, LogprobParams(enabled=True))):
+        mixed, sampler_calls = run(True, temperature, logprobs)
+        assert sampler_calls == 5, (temperature, logprobs)
+        assert mixed == run(False, temperature, logprobs)[0]
