@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
-# and a one-line status to stdout. Steps: see the case below (tests, pytests (PYTESTS=files), opstests, gputests and its two halves
-# graphtest / fastpathtests, gemmmoetests, moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode:
-# the decode MoE block's tiles), ab (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step),
-# bench35/27[full], profile35/27, prefilldetail, engine27/35, timeline27, hostround27/35, skinny,
+# and a one-line status to stdout. Steps: see the case below (tests, pytests (PYTESTS=the test files,
+# required; PYTESTS_TIMEOUT), opstests, gputests and its two halves graphtest / fastpathtests, gemmmoetests,
+# moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode: the decode MoE block's tiles), ab
+# (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full], profile35/27, prefilldetail,
+# engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off), hostround27/35 (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph), graphlaunch, pdlprofile, pdloff8, chunk8k,
 # start27: a synthetic full-size 27B artifact loaded by bench).
 # Each call is cut at 10 minutes: put the step that must finish first.
@@ -40,7 +41,7 @@ for step in "$@"; do
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
-    timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 ;;
+    timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} ;;
     timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} ;;
     hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
     hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch ${HOSTROUND_BATCH:-8} ;;
@@ -51,7 +52,7 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
-    pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs $PYTESTS ;;
+    pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs ${PYTESTS:?set PYTESTS} ;;
     moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
     moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
     ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;

@@ -1,7 +1,7 @@
 """The worker's host time between two decode steps, phase by phase (no profiler: perf_counter stamps).
 
     python3 -m tools.host_round PACKAGE [--batch 1] [--context 2048] [--rounds 64] [--device auto]
-                                [--kernels auto] [--no-cuda-graphs]
+                                [--kernels auto] [--no-cuda-graphs] [--gc default|freeze|off]
 
 On the GPU the time from reading one round's tokens back to launching the next round is all GPU idle
 time (`tools.profile_engine` measures it with CUDA events: 0.47-0.62 ms per 27B round at B = 1 on the

@@ -1,6 +1,7 @@
 """Where the Engine worker's host time goes between two decode steps: cProfile of the worker thread.
 
     python3 -m tools.profile_engine PACKAGE [--batch 1] [--context 2048] [--steps 64] [--kernels auto]
+                                   [--trace 16] [--gc default|freeze|off]
 
 Starts the synthetic Engine exactly as `ninfer bench --synthetic PACKAGE` does, submits B requests and,
 from an EngineCore observer (which runs on the worker thread before each unit), turns a cProfile on for
@@ -12,12 +13,12 @@ cProfile records every thread, so the main thread's polling (`time.sleep`) appea
 On CUDA, every decode round of B rows is also timed with CUDA events around the graph replay (no
 profiler attached, so the figures are undistorted): the device time from just before the launch call to
 the graph's end (launch latency + graph), the device time from one graph's end to the next launch (the
-sampler's kernels, the token read-back, the Engine's and the Program's host work: the GPU idles), and
-the host time inside the replay call; after the Engine closes, the same graph replays back to back,
-which is the graph's own time. Then ``--trace`` more rounds under the torch profiler (host and device
-timelines): how long the host spends inside each graph launch (`cudaGraphLaunch`), how long after
-the launch call began the graph's first kernel starts, and how long the GPU sits idle between two
-rounds (the gaps between kernels longer than ``IDLE_GAP_US``).
+sampler's kernels where the rows need the sampler, the token read-back, the Engine's and the Program's
+host work: the GPU idles), and the host time inside the replay call; after the Engine closes, the same
+graph replays back to back, which is the graph's own time. Then ``--trace`` more rounds under the torch
+profiler (host and device timelines): how long the host spends inside each graph launch
+(`cudaGraphLaunch`), how long after the launch call began the graph's first kernel starts, and how long
+the GPU sits idle between two rounds (the gaps between kernels longer than ``IDLE_GAP_US``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class DecodeProfiler:
         now = time.perf_counter()
         self.marks.append(now)
         seen = len(self.marks)
-        if seen in (2, self.skip // 2):  # which CPU the worker runs on (Linux; after the timed mark)
+        if seen in (1, self.skip):  # which CPU the worker runs on (Linux), outside the timed intervals
             self.worker_cpus.append(_current_cpu())
         if seen == self.skip:
             self.profile.enable()

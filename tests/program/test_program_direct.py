@@ -204,32 +204,39 @@ def _with_graph_argmax(program: Qwen36Program, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_greedy_rows_take_the_graphs_argmax_and_others_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows that all decode greedily without log-probs take their tokens from the step's argmax (no
-    sampler call) and still give transformers' tokens; a sampled row or a row wanting log-probs in the
-    unit runs the sampler for every row, with the tokens of a Program without the argmax."""
+    """Rows that all decode greedily without penalties or log-probs take their tokens from the step's
+    argmax (no sampler call) and still give transformers' tokens; a sampled row, a penalised greedy row or
+    a row wanting log-probs in the unit runs the sampler for every row, with the tokens and log-probs of a
+    Program without the argmax."""
     ps = prompts(2)
 
-    def run(argmax: bool, temperature: float, logprobs: LogprobParams) -> tuple[list[list[int]], int]:
+    def run(argmax: bool, temperature: float, logprobs: LogprobParams, penalty: float) -> tuple[object, int]:
         program = make_program("qwen3_6_tiny", 2)
         calls = _with_graph_argmax(program, monkeypatch) if argmax else []
         handles = []
-        for i, p in enumerate(ps):
-            sampling = SamplingParams(seed=5 + i, temperature=temperature * i)
+        for i, p in enumerate(ps):  # row 1 carries the sampled / penalised setting
+            sampling = SamplingParams(seed=5 + i, temperature=temperature * i, repetition_penalty=penalty**i)
             plan = program.plan_materialization(RequestPlan(tuple(p), 6, sampling, logprobs, "d"))
             assert isinstance(plan, ResourcePlan), plan
             handles.append(program.finish(program.start(plan)).handle)
         out = [commit_all(program, program.prefill(h, 64)) for h in handles]
-        prefill_calls = len(calls)
+        prefill_calls, seen_logprobs = len(calls), []
         for _ in range(5):
-            for i, t in enumerate(commit_all(program, program.decode(handles, [5, 5]))):
+            pending = program.decode(handles, [5, 5])
+            seen_logprobs.append([row.logprobs for row in pending.rows])
+            for i, t in enumerate(commit_all(program, pending)):
                 out[i].append(t)
         monkeypatch.undo()
-        return out, len(calls) - prefill_calls
+        return (out, seen_logprobs), len(calls) - prefill_calls
 
-    greedy, sampler_calls = run(True, 0.0, LogprobParams())
+    (greedy, _), sampler_calls = run(True, 0.0, LogprobParams(), 1.0)
     assert sampler_calls == 0
     assert greedy == [hf_generate("qwen3_6_tiny", tuple(p), 6) for p in ps]
-    for temperature, logprobs in ((0.9, LogprobParams()), (0.0, LogprobParams(enabled=True))):
-        mixed, sampler_calls = run(True, temperature, logprobs)
-        assert sampler_calls == 5, (temperature, logprobs)
-        assert mixed == run(False, temperature, logprobs)[0]
+    for temperature, logprobs, penalty in (
+        (0.9, LogprobParams(), 1.0),
+        (0.0, LogprobParams(enabled=True, top_n=2), 1.0),
+        (0.0, LogprobParams(), 1.3),
+    ):
+        mixed, sampler_calls = run(True, temperature, logprobs, penalty)
+        assert sampler_calls == 5, (temperature, logprobs, penalty)
+        assert mixed == run(False, temperature, logprobs, penalty)[0]

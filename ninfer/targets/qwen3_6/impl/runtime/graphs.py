@@ -9,8 +9,8 @@ so one graph per ``B`` serves every mix of requests. Graphs share one memory poo
 once, at Program construction (warmup), never on the request path.
 
 Each graph ends with the argmax of its logits: rows that all decode greedily, without penalties or
-log-probs, take their tokens from it and skip the sampler's launches after the replay (the argmax over
-the vocabulary costs every other step a few microseconds inside the graph).
+log-probs, take their tokens from it and skip the sampler's launches after the replay (steps that still
+run the sampler pay for one unused argmax over the vocabulary inside the graph).
 """
 
 from __future__ import annotations

@@ -458,7 +458,9 @@ class Qwen36Program:
             )
             drawn = result.tokens
         if while_running is not None:
-            while_running()  # the unit and its sampler are queued: the Engine's host work overlaps them
+            # the unit (and the sampler, if it runs) is queued: the Engine's host work overlaps it. The
+            # callback never runs the Program (the contract), so the graph's buffers hold until the read
+            while_running()
         tokens = drawn.tolist()  # the one host sync of a unit: the Engine needs the tokens
         chosen = result.logprob.tolist() if result is not None and want_logprobs else []
         top_ids = result.top_ids.tolist() if result is not None and top_n else []
