@@ -435,22 +435,21 @@ class Qwen36Program:
     ) -> PendingBatch:
         assert run.logits is not None
         batch = self._sampling_batch(seqs)
-        fields = run.step.fields()
-        # the counter of a draw is the absolute position of the sampled token: the row's context length
-        # after the step (frontier + consumed), already on the device with the step's inputs
-        positions = fields.context_lens
         penalised = any(s.penalised for s in seqs)
-        index = fields.sequence_index
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
         if run.greedy is not None and batch.all_greedy and not penalised and not want_logprobs:
             result = None  # exactly the sampler's tokens then: the argmax of the raw logits
             drawn = run.greedy
         else:
+            fields = run.step.fields()
+            index = fields.sequence_index
             result = sample(
                 run.logits,
                 batch,
-                positions,
+                # the counter of a draw is the absolute position of the sampled token: the row's context
+                # length after the step (frontier + consumed), already on the device with the step's inputs
+                fields.context_lens,
                 prompt_mask=self._prompt_mask[index] if penalised else None,
                 output_counts=self._output_counts[index] if penalised else None,
                 num_logprobs=top_n,
@@ -462,9 +461,13 @@ class Qwen36Program:
             # callback never runs the Program (the contract), so the graph's buffers hold until the read
             while_running()
         tokens = drawn.tolist()  # the one host sync of a unit: the Engine needs the tokens
-        chosen = result.logprob.tolist() if result is not None and want_logprobs else []
-        top_ids = result.top_ids.tolist() if result is not None and top_n else []
-        top_lp = result.top_logprobs.tolist() if result is not None and top_n else []
+        chosen: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lp: list[list[float]] = []
+        if result is not None:  # log-probs always come through the sampler
+            chosen = result.logprob.tolist() if want_logprobs else []
+            top_ids = result.top_ids.tolist() if top_n else []
+            top_lp = result.top_logprobs.tolist() if top_n else []
         rows = []
         for i, s in enumerate(seqs):
             lp = None
