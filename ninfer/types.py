@@ -88,6 +88,10 @@ class EngineConfig:
       a long prompt interleaves with decode rounds; ``None`` takes `default_prefill_chunk` of the op
       table the Program runs.
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
+    - ``decode_lookahead``: the Program queues the decode after each decode before the Engine has
+      committed the first, so the GPU runs it while the worker commits and publishes (SGLang's overlap
+      scheduling, vLLM's async scheduling; docs/engine.md). Costs one more recurrent-state slot per lane
+      and, when a row ends unforeseen (a stop token), one discarded step. ``None``: on for CUDA.
     - ``kernels``: the op implementations: ``auto`` (fast Triton/fla-core ops on CUDA, the reference
       ops elsewhere), ``reference`` (plain PyTorch everywhere: the oracle) or ``fast`` (CUDA only).
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
@@ -103,6 +107,7 @@ class EngineConfig:
     page_size: int = 64
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = True
+    decode_lookahead: bool | None = None
     warmup: bool = True
     kernels: Literal["auto", "reference", "fast"] = "auto"
     score_window: int = 2048

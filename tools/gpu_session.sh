@@ -3,8 +3,10 @@
 # and a one-line status to stdout. Steps: see the case below (tests, pytests (PYTESTS=the test files,
 # required; PYTESTS_TIMEOUT), opstests, gputests and its two halves graphtest / fastpathtests, gemmmoetests,
 # moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode: the decode MoE block's tiles), ab
-# (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full], profile35/27, prefilldetail,
-# engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off), hostround27/35 (HOSTROUND_BATCH), skinny,
+# (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full] (BENCH_ARGS, BENCH_TAG: extra flags
+# and a suffix of the JSON's name), bench35/27plain (without the decode lookahead), profile35/27, prefilldetail,
+# engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), hostround27/35
+# (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph), graphlaunch, pdlprofile, pdloff8, chunk8k,
 # start27: a synthetic full-size 27B artifact loaded by bench).
 # Each call is cut at 10 minutes: put the step that must finish first.
@@ -31,8 +33,10 @@ for step in "$@"; do
     small) timeout 200 python3 -m tools.kernel_bench.small_ops ;;
     attn) timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_attention_prologue.py && timeout 120 python3 -m tools.kernel_bench.attention_prologue ;;
     moesweep) timeout 200 python3 -m tools.kernel_bench.fused_moe --sweep ;;
-    bench35) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench35.json" ;;
-    bench27) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 > "$OUT/bench27.json" ;;
+    bench35) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 ${BENCH_ARGS:-} > "$OUT/bench35${BENCH_TAG:-}.json" ;;
+    bench27) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 ${BENCH_ARGS:-} > "$OUT/bench27${BENCH_TAG:-}.json" ;;
+    bench35plain) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench35plain.json" ;;
+    bench27plain) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench27plain.json" ;;
     bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
     bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27.json" ;;
     profile35) timeout 300 python3 -m tools.profile_step qwen3_6_35b_a3b ;;
@@ -41,8 +45,8 @@ for step in "$@"; do
     profile27ref) timeout 300 python3 -m tools.profile_step qwen3_6_27b --kernels reference --batch 1 --prefill 1024 ;;
     engine27) timeout 300 python3 -m tools.profile_engine qwen3_6_27b ;;
     engine35) timeout 300 python3 -m tools.profile_engine qwen3_6_35b_a3b ;;
-    timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} ;;
-    timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} ;;
+    timeline27) timeout 150 python3 -m tools.profile_engine qwen3_6_27b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} --batch ${PROFILE_BATCH:-1} ${PROFILE_ARGS:-} ;;
+    timeline35) timeout 150 python3 -m tools.profile_engine qwen3_6_35b_a3b --steps 24 --trace 0 --gc ${PROFILE_GC:-default} --batch ${PROFILE_BATCH:-1} ${PROFILE_ARGS:-} ;;
     hostround27) timeout 150 python3 -m tools.host_round qwen3_6_27b ;;
     hostround35) timeout 150 python3 -m tools.host_round qwen3_6_35b_a3b --batch ${HOSTROUND_BATCH:-8} ;;
     chain) timeout 200 python3 -m tools.kernel_bench.skinny_chain ;;

@@ -1,7 +1,8 @@
 """The worker's host time between two decode steps, phase by phase (no profiler: perf_counter stamps).
 
     python3 -m tools.host_round PACKAGE [--batch 1] [--context 2048] [--rounds 64] [--device auto]
-                                [--kernels auto] [--no-cuda-graphs] [--gc default|freeze|off]
+                                [--kernels auto] [--no-cuda-graphs] [--no-decode-lookahead]
+                                [--gc default|freeze|off]
 
 On the GPU the time from reading one round's tokens back to launching the next round is all GPU idle
 time (`tools.profile_engine` measures it with CUDA events: 0.47-0.62 ms per 27B round at B = 1 on the
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-decode-lookahead", action="store_true")
     parser.add_argument("--gc", choices=("default", "freeze", "off"), default="default")
     args = parser.parse_args()
     config = EngineConfig(
@@ -99,6 +101,7 @@ def main() -> None:
         max_context=args.context + args.rounds + 8,
         device=args.device,
         cuda_graphs=not args.no_cuda_graphs,
+        decode_lookahead=False if args.no_decode_lookahead else None,
         kernels=args.kernels,  # type: ignore[arg-type]
         warmup=True,
     )

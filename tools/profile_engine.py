@@ -1,6 +1,7 @@
 """Where the Engine worker's host time goes between two decode steps: cProfile of the worker thread.
 
     python3 -m tools.profile_engine PACKAGE [--batch 1] [--context 2048] [--steps 64] [--kernels auto]
+                                   [--no-decode-lookahead]
                                    [--trace 16] [--gc default|freeze|off]
 
 Starts the synthetic Engine exactly as `ninfer bench --synthetic PACKAGE` does, submits B requests and,
@@ -115,7 +116,7 @@ class ReplayTimer:
 
         def tolist(tensor: torch.Tensor) -> object:
             out = original_tolist(tensor)
-            if tensor.is_cuda and len(self.rounds) <= self.limit:
+            if len(self.rounds) <= self.limit:  # the tokens' host copy (pinned; a device tensor before)
                 self.stamps.append(("read_back", time.perf_counter()))
             return out
 
@@ -205,6 +206,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--trace", type=int, default=16, help="rounds traced on CUDA (0: none)")
+    parser.add_argument("--no-decode-lookahead", action="store_true", help="decode_lookahead off")
     parser.add_argument(
         "--gc", choices=("default", "freeze", "off"), default="default",
         help="after start-up: leave the collector alone, gc.freeze() the start-up heap, or gc.disable()",
@@ -218,6 +220,7 @@ def main() -> None:
         max_context=args.context + 3 * args.steps + args.trace + 8,
         device="auto",
         cuda_graphs=True,
+        decode_lookahead=False if args.no_decode_lookahead else None,
         kernels=args.kernels,  # type: ignore[arg-type]
         warmup=True,
     )

@@ -167,7 +167,8 @@ def render_table(report: BenchReport) -> str:
         f"{k.replace('_', ' ')} {v:.2f} s" for k, v in report.startup_s.items() if k != "total"
     )
     lines += [
-        f"kernels: {s.get('kernels', 'auto')}; cuda graphs: {'on' if s.get('cuda_graphs') else 'off'}",
+        f"kernels: {s.get('kernels', 'auto')}; cuda graphs: {'on' if s.get('cuda_graphs') else 'off'}; "
+        f"decode lookahead: {'on' if s.get('decode_lookahead') else 'off'}",
         f"measured: copy bandwidth {report.bandwidth_GBps:.1f} GB/s; "
         f"matmul {report.matmul_TFLOPs:.3g} TFLOP/s ({report.matmul_dtype} {report.matmul_n}^3)",
         f"start-up: {report.startup_s['total']:.2f} s ({phases})"

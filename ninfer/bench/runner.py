@@ -21,7 +21,7 @@ from ninfer.bench.startup import (
     start_from_artifact,
     start_synthetic,
 )
-from ninfer.targets.open import resolve_device, resolve_dtype
+from ninfer.targets.open import resolve_device, resolve_dtype, resolve_lookahead
 from ninfer.targets.qwen3_6.kernels import kernels_name
 from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
 from ninfer.targets.registry import get_package
@@ -43,6 +43,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: bool = True
+    decode_lookahead: bool | None = None  # EngineConfig.decode_lookahead
     kernels: str = "auto"  # EngineConfig.kernels
     seed: int = 0  # random weights (synthetic) and prompt ids
     copy_bytes: int | None = None  # probe sizes (None: the device's default)
@@ -75,6 +76,7 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         dtype=options.dtype,  # type: ignore[arg-type]
         prefill_chunk_tokens=plan.prefill_chunk,
         cuda_graphs=options.cuda_graphs,
+        decode_lookahead=options.decode_lookahead,
         kernels=options.kernels,  # type: ignore[arg-type]
         warmup=True,
     )
@@ -187,6 +189,7 @@ def build_report(
             "prefill_chunk": plan.prefill_chunk,
             "max_context": plan.max_context,
             "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
+            "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
             "kernels": kernels_name(started.device, options.kernels),
             "seed": options.seed,
         },

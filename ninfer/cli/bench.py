@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ninfer.cli.common import add_kernels_flag, fail, split_artifact
+from ninfer.cli.common import add_kernels_flag, add_lookahead_flag, decode_lookahead, fail, split_artifact
 from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
@@ -82,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="compute dtype (auto: float32 on CPU; on GPU the artifact's storage dtype, bf16 if synthetic)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_lookahead_flag(p)
     add_kernels_flag(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             cuda_graphs=not args.no_cuda_graphs,
+            decode_lookahead=decode_lookahead(args),
             kernels=args.kernels,
             seed=args.seed,
         )

@@ -17,7 +17,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-context", type=int, default=None, help="context limit per request (tokens)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_lookahead_flag(p)
     add_kernels_flag(p)
+
+
+def add_lookahead_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-decode-lookahead",
+        action="store_true",
+        help="on CUDA, wait for each decode step's tokens to be committed before queueing the next "
+        "(default: the next step is queued first, so the GPU never waits for the host)",
+    )
+
+
+def decode_lookahead(args: argparse.Namespace) -> bool | None:
+    """EngineConfig.decode_lookahead from the flag: off when asked, else the Engine's default."""
+    return False if args.no_decode_lookahead else None
 
 
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
@@ -40,6 +55,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_context=args.max_context,
         cuda_graphs=not args.no_cuda_graphs,
+        decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         warmup=False,
     )

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ninfer.cli.common import add_engine_flags, fail, split_artifact
+from ninfer.cli.common import add_engine_flags, decode_lookahead, fail, split_artifact
 from ninfer.cli.score import DEFAULT_SCORE_WINDOW, max_context_note, scoring_window
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "device": args.device,
         "dtype": args.dtype,
         "cuda_graphs": not args.no_cuda_graphs,
+        "decode_lookahead": decode_lookahead(args),
         "kernels": args.kernels,
     }
     if args.purpose != "causal_scoring":

@@ -44,6 +44,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_lookahead(requested: bool | None, device: torch.device) -> bool:
+    """EngineConfig.decode_lookahead: ``None`` is on where the host's time between steps is GPU idle
+    time it can hide (CUDA); on CPU the host computes the step itself, so there is nothing to hide."""
+    return device.type == "cuda" if requested is None else requested
+
+
 def resolve_dtype(dtype: str, storage: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -125,21 +131,19 @@ def build_program(
             f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
         )
     pages_per_seq = -(-max_context // config.page_size)
-    _check_state_memory(variant, config, pages_per_seq * config.max_concurrency, max_context, dtype, device)
-    return Qwen36Program(
-        variant,
-        view,
-        ProgramConfig(
-            max_concurrency=config.max_concurrency,
-            max_context=max_context,
-            page_size=config.page_size,
-            kv_pages=pages_per_seq * config.max_concurrency,
-            device=device,
-            dtype=dtype,
-            cuda_graphs=config.cuda_graphs,
-            kernels=config.kernels,
-        ),
+    program_config = ProgramConfig(
+        max_concurrency=config.max_concurrency,
+        max_context=max_context,
+        page_size=config.page_size,
+        kv_pages=pages_per_seq * config.max_concurrency,
+        device=device,
+        dtype=dtype,
+        cuda_graphs=config.cuda_graphs,
+        kernels=config.kernels,
+        decode_lookahead=resolve_lookahead(config.decode_lookahead, device),
     )
+    _check_state_memory(variant, config, program_config, max_context)
+    return Qwen36Program(variant, view, program_config)
 
 
 def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
@@ -153,13 +157,13 @@ def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dt
     return conv + rec + kv
 
 
-def _check_state_memory(
-    variant: Any, config: Any, num_pages: int, max_context: int, dtype: torch.dtype, device: torch.device
-) -> None:
+def _check_state_memory(variant: Any, config: Any, program: Any, max_context: int) -> None:
     """Refuse, with the flags to change, a KV pool that cannot fit next to the weights."""
+    device = program.device
     if device.type != "cuda":
         return
-    need = state_bytes(variant, 2 * config.max_concurrency, num_pages, config.page_size, dtype)
+    slots = program.slots_per_sequence * program.max_concurrency
+    need = state_bytes(variant, slots, program.kv_pages, program.page_size, program.dtype)
     free, _ = torch.cuda.mem_get_info(device)
     # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)

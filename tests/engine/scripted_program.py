@@ -139,6 +139,7 @@ class ScriptedProgram:
         self.on_execute: Callable[[str, Sequence[SequenceHandle]], None] | None = None
         self.on_release: Callable[[_Sequence], None] | None = None
         self.call_while_running = True  # False: a Program that never calls decode's while_running
+        self.repeat_hints: list[bool] = []  # decode's repeat_expected, call by call (contract rule 13)
 
     # ---- static facts ----
     @property
@@ -325,8 +326,10 @@ class ScriptedProgram:
         budgets: Sequence[int],
         *,
         while_running: Callable[[], None] | None = None,
+        repeat_expected: bool = False,
     ) -> PendingBatch:
         self._enter("decode")
+        self.repeat_hints.append(repeat_expected)
         self._no_open_batch()
         if not handles or len(handles) != len(budgets) or len(set(handles)) != len(handles):
             raise ProgramInvariantError("decode needs distinct handles, one budget each")

@@ -41,6 +41,7 @@ def test_a_round_is_published_while_the_next_decode_unit_runs() -> None:
         budgets: Sequence[int],
         *,
         while_running: Callable[[], None] | None = None,
+        repeat_expected: bool = False,
     ) -> PendingBatch:
         assert while_running is not None, "the Engine passes its publication to the decode call"
         marks.append(("decode", _published_tokens(channel, seen)))
@@ -50,7 +51,7 @@ def test_a_round_is_published_while_the_next_decode_unit_runs() -> None:
             while_running()
             marks.append(("published", _published_tokens(channel, seen)))
 
-        return decode(handles, budgets, while_running=publish)
+        return decode(handles, budgets, while_running=publish, repeat_expected=repeat_expected)
 
     program.decode = traced  # type: ignore[method-assign]
     drain(engine)

@@ -1,5 +1,6 @@
 """The public Engine on CUDA: decode runs in CUDA graphs for every exact B up to max_concurrency, with
-the same greedy tokens as eager decode; prints the host time per decode step."""
+the decode lookahead (the default on CUDA), and gives the same tokens as eager decode without it;
+prints the host time per decode step."""
 
 from __future__ import annotations
 
@@ -28,7 +29,15 @@ def _run_all(engine: Engine) -> list[tuple[int, ...]]:
 
 
 def _engine(artifact: Path, graphs: bool, package: str) -> Engine:
-    config = EngineConfig(max_concurrency=8, device="cuda", dtype="bfloat16", cuda_graphs=graphs, warmup=True)
+    """Graphed: as `ninfer serve` runs (graphs, lookahead). Eager: the plain baseline, neither."""
+    config = EngineConfig(
+        max_concurrency=8,
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graphs=graphs,
+        decode_lookahead=None if graphs else False,
+        warmup=True,
+    )
     return Engine(artifact, config)
 
 
@@ -58,6 +67,7 @@ def test_decode_graphs_match_eager(
     with _engine(artifact, True, package) as graphed:
         program = graphed.core._program
         assert program._graphs is not None and program._graphs.sizes == list(range(1, 9))
+        assert program.config.decode_lookahead
         before = dict(program._graphs.replays)
         sampler_calls = _count_sampler_calls(monkeypatch)
         actual = _run_all(graphed)
@@ -73,6 +83,7 @@ def test_decode_graphs_match_eager(
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert actual == expected
     assert all(replayed.get(b, 0) > 0 for b in range(1, 9)), replayed
+    assert program.lookahead["taken"] > 0, program.lookahead
     n = len(r.token_ids)
     print(
         f"\n{package}: graph replays per B {sorted(replayed.items())}; B=1 decode: "

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from tiny_artifacts import hf_causal_lm, tiny_view
+from tiny_artifacts import SEED, hf_causal_lm, tiny_view
 
 from ninfer.runtime.contract.types import (
     LogprobParams,
@@ -18,6 +18,7 @@ from ninfer.runtime.contract.types import (
     RowDecision,
     SamplingParams,
 )
+from ninfer.targets.qwen3_6.binder import random_model_view
 from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
 from ninfer.targets.registry import PACKAGES
 
@@ -37,17 +38,26 @@ def hf_generate(name: str, prompt: tuple[int, ...], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def make_program(name: str, max_concurrency: int = 4) -> Qwen36Program:
+def make_program(
+    name: str, max_concurrency: int = 4, decode_lookahead: bool = False, device: str = "cpu"
+) -> Qwen36Program:
+    """The tiny package's Program: fp32 on CPU; on CUDA as the Engine builds it there (bf16, the fast
+    kernels, a decode graph per B)."""
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    variant = PACKAGES[name].variant
     return Qwen36Program(
-        PACKAGES[name].variant,
-        view(name),
+        variant,
+        random_model_view(variant, seed=SEED, dtype=dtype, device=device) if cuda else view(name),
         ProgramConfig(
             max_concurrency=max_concurrency,
             max_context=128,
             page_size=16,
             kv_pages=8 * max_concurrency,
-            device=torch.device("cpu"),
-            dtype=torch.float32,
+            device=torch.device(device),
+            dtype=dtype,
+            cuda_graphs=cuda,
+            decode_lookahead=decode_lookahead,
         ),
     )
 

@@ -28,7 +28,9 @@ Rules every Program implementation must keep (each method's docstring repeats th
    frontier, RNG and speculative state of every member are unchanged until ``commit``. Exactly one of
    ``commit(pending, decisions)`` or ``abort_pending(pending)`` consumes it whole; a second consumption,
    a decision list that does not match the frozen membership, or a new execution unit while a batch is
-   unconsumed is a ``ProgramInvariantError``. ``abort_pending`` leaves every member exactly as before
+   unconsumed is a ``ProgramInvariantError``. (Provisional device work the Program queues on its own,
+   rule 13's lookahead, is not an execution unit: it changes nothing committed and reaches the Engine
+   only as the unit it later asks for.) ``abort_pending`` leaves every member exactly as before
    the unit.
 6. **Accepted-prefix commit.** ``commit`` commits, atomically per batch, the accepted prefix of every
    row: Main KV frontier, backend KV, recurrent/conv state of the accepted position, RNG and speculative
@@ -53,7 +55,12 @@ Rules every Program implementation must keep (each method's docstring repeats th
     on the calling thread, after the unit is queued on the device and before its tokens are read back,
     and never keeps it. ``f`` is the Engine's own host work and never calls the Program (rule 1); an
     exception from it propagates out of ``decode`` with no PendingBatch opened (the Engine then fails).
-13. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
+13. **The repeat hint.** ``decode(..., repeat_expected=True)`` says the Engine expects its next unit to be
+    this decode round again, unless a row ends or asks for forced control (no prefill is staged). A
+    Program may then queue that round behind this one before it is committed (the decode lookahead:
+    provisional state only, rules 5 and 6 unchanged, dropped unread unless the next call is exactly that
+    round). The hint only saves or wastes device time; it never changes a token.
+14. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
     reserved pages, open transactions, open pending batches); after every request has ended it must
     equal the baseline taken after construction/warmup (checkpoints aside).
 """
@@ -529,6 +536,7 @@ class Program(Protocol):
         budgets: Sequence[int],
         *,
         while_running: Callable[[], None] | None = None,
+        repeat_expected: bool = False,
     ) -> PendingBatch:
         """Run one decode unit for exactly these rows (``B = len(handles)``, no padding).
 
@@ -536,6 +544,7 @@ class Program(Protocol):
         decode produces 1, a speculative backend up to ``min(K + 1, budget)``.
         ``while_running``: the Engine's host work that touches no Program state, called once after the
         unit is queued on the device and before its tokens are read back, so the two overlap (rule 12).
+        ``repeat_expected``: the Engine's next unit is likely this round again (rule 13).
         """
         ...
 

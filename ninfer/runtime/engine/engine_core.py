@@ -556,7 +556,9 @@ class EngineCore:
             for record in unit.members:
                 handles.append(self._handle(record))
                 budgets.append(record.remaining_budget)
-            batch = self._program.decode(handles, budgets, while_running=self._publish_committed)
+            batch = self._program.decode(
+                handles, budgets, while_running=self._publish_committed, repeat_expected=self._round_repeats()
+            )
             self._open_batch = batch
             if self._unpublished:  # the Program did not call back: the preview below needs it
                 self._publish_committed()
@@ -578,6 +580,13 @@ class EngineCore:
             if batch.rows[0].tokens != record.pending_force:
                 raise EngineInvariantError("force produced tokens other than the forced ones")
             self._commit_unit(batch, unit.members)
+
+    def _round_repeats(self) -> bool:
+        """Whether the unit after this decode round is, unless a row ends or asks for forced control, the
+        same round (contract rule 13): the Scheduler has no prefill staged. A waiting request this
+        boundary did not admit stays blocked until a lane or resources free, that is until a row ends; a
+        request or a cancellation arriving while the round runs is a miss the hint cannot see."""
+        return self._scheduler.staged is None
 
     def _run_prefill(self, record: RequestRecord) -> None:
         handle = self._handle(record)

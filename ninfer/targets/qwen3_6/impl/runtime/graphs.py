@@ -27,11 +27,14 @@ DecodeFn = Callable[[PackedStep], torch.Tensor]  # the packed device inputs -> l
 class _Graph:
     def __init__(self, b: int, scratch_slot: int, device: torch.device) -> None:
         self.inputs = StepBuilder.placeholder(b, scratch_slot, device)  # the static input buffer
-        # pinned host staging of the same size: a copy from pageable memory costs the host a staged,
-        # synchronous transfer; reusing it is safe because each decode reads its tokens back (a full
-        # sync) before the next `run`
-        self.staging = torch.empty_like(self.inputs.values, device="cpu").pin_memory()
-        self.staging_array = self.staging.numpy()  # the same memory: a list is written in with no tensor
+        # pinned host staging of the same size (a copy from pageable memory costs the host a staged,
+        # synchronous transfer), two buffers used in turn: with the Program's lookahead a replay is
+        # queued while the one before it has not run, so a buffer is rewritten only once the copy that
+        # last read it has run (its event)
+        self.staging = [torch.empty_like(self.inputs.values, device="cpu").pin_memory() for _ in range(2)]
+        self.staging_arrays = [s.numpy() for s in self.staging]  # the same memory: lists go in directly
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
         self.greedy: torch.Tensor | None = None  # [B] int64: argmax of each row's logits
@@ -61,15 +64,24 @@ class DecodeGraphs:
     def sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, values: list[int], rows: int) -> tuple[torch.Tensor, PackedStep, torch.Tensor]:
+    def run(
+        self, values: list[int], rows: int, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, PackedStep, torch.Tensor]:
         """Copy a decode step's packed ``values`` (`StepBuilder.decode_values`, ``rows`` rows) in and
         replay: (logits, the step on the device, each row's argmax token).
 
-        All three are the graph's static buffers: valid until the next `run`.
+        ``tokens``: the rows' input tokens as a device tensor (the sampled tokens of the unit before,
+        not yet read back), copied over the token ids in ``values``.
+        All three results are the graphs' static buffers (one shared pool): valid until the next `run`.
         """
         g = self._graphs[rows]
-        g.staging_array[:] = values
-        g.inputs.values.copy_(g.staging, non_blocking=True)
+        turn, g.turn = g.turn, g.turn ^ 1
+        g.copied[turn].synchronize()  # at once, unless that copy belongs to a unit still queued
+        g.staging_arrays[turn][:] = values
+        g.inputs.values.copy_(g.staging[turn], non_blocking=True)
+        g.copied[turn].record()
+        if tokens is not None:
+            g.inputs.fields().token_ids.copy_(tokens)
         g.graph.replay()
         self.replays[rows] = self.replays.get(rows, 0) + 1
         assert g.logits is not None and g.greedy is not None

@@ -5,12 +5,24 @@ One instance per Engine, built before the Engine accepts requests: model view, o
 slot pools, penalty tables and the sampling batch. Requests never allocate tensors of that size.
 
 Mechanisms (ARCHITECTURE.md §4):
-- Recurrent state by slot flip: each sequence owns a current slot and a spare; a unit reads the
-  current slot and writes the spare; `commit` flips, `abort_pending` keeps the old one.
+- Recurrent state by slot flip: each sequence owns a ring of slots, the committed one and the spare;
+  a unit reads the committed slot and writes the spare; `commit` moves the ring on, `abort_pending`
+  keeps the old one.
 - KV by frontier: the pages for the complete growth reservation are mapped at materialization; a unit
   writes K/V beyond the committed frontier; `commit` advances the frontier, abort leaves it.
 - Counter-based sampling: each draw is a function of (seed, position), so the RNG "advances" only by
   the frontier moving on commit, and forced tokens never touch it.
+- Decode lookahead (``ProgramConfig.decode_lookahead``): when the Engine expects the same round next
+  (``repeat_expected``), `decode` queues, right behind the unit it was asked for, the decode after it,
+  fed on the device by the first one's sampled tokens, so the GPU runs it
+  while the Engine previews, commits and publishes the first (SGLang's overlap scheduling, vLLM's async
+  scheduling). It is provisional state like any unit's: it writes the ring's third slot and K/V beyond
+  the frontier, so a commit or an abort of the unit before it still finds everything it may keep
+  intact. The next `decode` takes it only when it is exactly that unit (the same rows, each one position
+  on, fed by the tokens the Engine committed); anything else drops it unread: every later unit and every
+  later write of the Program is queued behind it on the one stream. `release` waits until the device has
+  run every unit queued so far, so a sequence's slots and pages change owner only after the units that
+  wrote them are stable (the specification's order, not only the stream's).
 
 The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.py``.
 """
@@ -25,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ninfer.core.pools import IndexPool
-from ninfer.ops.sampling import SamplingBatch, sample
+from ninfer.ops.sampling import SampleResult, SamplingBatch, sample
 from ninfer.ops.sampling import SamplingParams as OpsSamplingParams
 from ninfer.runtime.contract.types import (
     Blocked,
@@ -69,6 +81,12 @@ class ProgramConfig:
     dtype: torch.dtype
     cuda_graphs: bool = False  # capture the decode unit per exact B (CUDA only)
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
+    decode_lookahead: bool = False  # queue the next decode behind each decode (module docstring)
+
+    @property
+    def slots_per_sequence(self) -> int:
+        """The ring of StateImage slots a sequence holds: committed + spare, + the lookahead's."""
+        return 3 if self.decode_lookahead else 2
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,48 @@ class _StepRun(NamedTuple):
     logits: torch.Tensor | None
     step: PackedStep  # the step's packed facts (positions, sequence indices)
     greedy: torch.Tensor | None = None  # each row's argmax token, where a decode graph computed it
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A unit's sampled tokens (and log-probs) on their way to the host: the copies are queued on the
+    device behind the draw, which is queued behind the step."""
+
+    drawn: torch.Tensor  # [B] the tokens on the device (a lookahead unit's inputs)
+    tokens: torch.Tensor  # [B] their host copy
+    logprob: torch.Tensor | None  # [B] host copies of the log-probs, where a row wants them
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA); None: they are done
+
+    @classmethod
+    def copy_back(cls, drawn: torch.Tensor, result: SampleResult | None, logprob: bool, top: bool) -> _Queued:
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True)  # into pinned memory from CUDA: queued, not waited on
+
+        done = None
+        tokens = host(drawn)
+        chosen = host(result.logprob) if result is not None and logprob else None
+        top_ids = host(result.top_ids) if result is not None and top else None
+        top_lp = host(result.top_logprobs) if result is not None and top else None
+        if drawn.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(drawn, tokens, chosen, top_ids, top_lp, done)
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+@dataclass(eq=False)
+class _Ahead:
+    """The lookahead decode: queued for ``handles`` at ``frontiers``, fed by the tokens ``inputs``."""
+
+    handles: tuple[SequenceHandle, ...]
+    frontiers: tuple[int, ...]  # each row's committed frontier the unit assumes
+    queued: _Queued
+    inputs: tuple[int, ...]  # the unit before's tokens (read back): its inputs
 
 
 def _sampler_params(sampling: SamplingParams) -> OpsSamplingParams:
@@ -124,10 +184,11 @@ class Qwen36Program:
         self.kernels = select_kernels(config.device, config.kernels)  # once, for the Program's life
         n = config.max_concurrency
         self._max_pages_per_seq = -(-config.max_context // config.page_size)
-        self._slots = IndexPool(2 * n, "state slot")  # current + spare per sequence
+        slots = config.slots_per_sequence * n
+        self._slots = IndexPool(slots, "state slot")
         self._pages = IndexPool(config.kv_pages, "KV page")
         self.store = StateStore.allocate(
-            variant, 2 * n, config.kv_pages, config.page_size, config.dtype, config.device
+            variant, slots, config.kv_pages, config.page_size, config.dtype, config.device
         )
         # penalty tables, one row per sequence index (allocated once; zeroed at materialization)
         vocab = variant.vocab_size
@@ -146,6 +207,8 @@ class Qwen36Program:
         self._graphs: DecodeGraphs | None = None
         self._sampling: SamplingBatch | None = None  # the last unit's rows' settings (see _sampling_batch)
         self._sampling_rows: tuple[SequenceHandle, ...] = ()
+        self._ahead: _Ahead | None = None
+        self.lookahead = {"taken": 0, "dropped": 0}  # lookahead units (observability; tests read it)
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(self._decode_logits, n, config.device, scratch_slot=0)
 
@@ -188,7 +251,8 @@ class Qwen36Program:
 
     # ---- materialization ------------------------------------------------------------------------
     def _reservation(self, request: RequestPlan) -> _Reservation:
-        return _Reservation(pages=-(-request.max_total_tokens // self.page_size), slots=2)
+        pages = -(-request.max_total_tokens // self.page_size)
+        return _Reservation(pages=pages, slots=self.config.slots_per_sequence)
 
     def plan_materialization(
         self, request: RequestPlan, candidates: Sequence[CheckpointEntry] = ()
@@ -264,8 +328,7 @@ class Qwen36Program:
             sampling=ops_params,
             seed=sampling.seed,
             logprobs=request.logprobs,
-            slot=slots[0],
-            spare=slots[1],
+            slots=tuple(slots),
             pages=pages,
         )
         self._block_tables[index].zero_()
@@ -290,7 +353,11 @@ class Qwen36Program:
     def release(self, handle: SequenceHandle) -> ResourceResult:
         seq = self._sequence(handle)
         self._no_open_pending("release")
-        self._slots.free([seq.slot, seq.spare])
+        if self._ahead is not None and handle in self._ahead.handles:
+            self._drop_ahead()
+        if self.config.device.type == "cuda":  # the units queued so far (a dropped lookahead, a forced
+            torch.cuda.current_stream(self.config.device).synchronize()  # chunk) end before the handover
+        self._slots.free(list(seq.slots))
         self._pages.free(seq.pages)
         del self._sequences[handle.index]
         self._revision += 1
@@ -301,6 +368,7 @@ class Qwen36Program:
     def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
         seq = self._sequence(handle)
         self._no_open_pending("prefill")
+        self._drop_ahead()
         if budget_tokens < 1:
             raise ProgramInvariantError(f"prefill budget must be >= 1, got {budget_tokens}")
         remaining = seq.prompt_remaining
@@ -314,7 +382,7 @@ class Qwen36Program:
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
         chunk = seq.prompt[start:]
         run = self._run([seq], [chunk], write_spare=True, logits="last")
-        return self._pending("prefill", [seq], run, consumed=(len(chunk),))
+        return self._pending("prefill", [seq], self._queue([seq], run), consumed=(len(chunk),))
 
     @torch.inference_mode()
     def decode(
@@ -323,6 +391,7 @@ class Qwen36Program:
         budgets: Sequence[int],
         *,
         while_running: Callable[[], None] | None = None,
+        repeat_expected: bool = False,
     ) -> PendingBatch:
         self._no_open_pending("decode")
         if not handles or len(handles) > self.max_concurrency or len(budgets) != len(handles):
@@ -335,13 +404,30 @@ class Qwen36Program:
                 raise ProgramInvariantError(f"sequence {s.handle} is not decode-ready")
             if s.frontier + 1 > s.max_total:
                 raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
-        run = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
-        return self._pending("decode", seqs, run, consumed=(1,) * len(seqs), while_running=while_running)
+        queued = self._take_ahead(seqs)
+        if queued is None:
+            run = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
+            queued = self._queue(seqs, run)
+        ahead = None
+        if repeat_expected and self._may_look_ahead(seqs, budgets):
+            placeholders = [(0,)] * len(seqs)  # the inputs are ``queued.drawn``, on the device
+            run = self._run(seqs, placeholders, write_spare=True, logits="last", fed=queued.drawn)
+            ahead = self._queue(seqs, run)
+        consumed = (1,) * len(seqs)
+        # if ``while_running`` raises, the lookahead is forgotten in flight: the Engine then fails, and any
+        # later unit would be queued behind it anyway
+        pending = self._pending("decode", seqs, queued, consumed=consumed, while_running=while_running)
+        if ahead is not None:
+            frontiers = tuple(s.frontier + 1 for s in seqs)
+            inputs = tuple(row.tokens[0] for row in pending.rows)
+            self._ahead = _Ahead(tuple(handles), frontiers, ahead, inputs)
+        return pending
 
     @torch.inference_mode()
     def force(self, handle: SequenceHandle, tokens: Sequence[int]) -> PendingBatch:
         seq = self._sequence(handle)
         self._no_open_pending("force")
+        self._drop_ahead()
         tokens = tuple(int(t) for t in tokens)
         if not tokens or seq.pending_input is None or not seq.state_valid:
             raise ProgramInvariantError(f"forced control on {handle} with {len(tokens)} tokens")
@@ -404,13 +490,21 @@ class Qwen36Program:
         *,
         write_spare: bool,
         logits: str,
+        fed: torch.Tensor | None = None,
     ) -> _StepRun:
-        """Run one step (a decode of one token per row replays its CUDA graph when there is one)."""
+        """Run one step (a decode of one token per row replays its CUDA graph when there is one).
+
+        ``fed``: the lookahead decode, one position past each row's frontier, whose input tokens are
+        this device tensor (the unit before's draw) in place of ``inputs``."""
+        step_ahead = int(fed is not None)
         if self._graphs is not None and logits == "last" and all(len(row) == 1 for row in inputs):
-            values = self._steps.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
-            return _StepRun(*self._graphs.run(values, len(seqs)))
-        packed = self._steps.pack(seqs, inputs, write_spare=write_spare)
+            tokens = [row[0] for row in inputs]
+            values = self._steps.decode_values(seqs, tokens, write_spare=write_spare, ahead=step_ahead)
+            return _StepRun(*self._graphs.run(values, len(seqs), fed))
+        packed = self._steps.pack(seqs, inputs, write_spare=write_spare, ahead=step_ahead)
         step = self._steps.to_device(packed)
+        if fed is not None:
+            step.fields().token_ids.copy_(fed)
         batch = self._steps.unpack(step)
         out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
         return _StepRun(out.logits, step)
@@ -425,14 +519,8 @@ class Qwen36Program:
         assert logits is not None
         return logits
 
-    def _pending(
-        self,
-        kind: str,
-        seqs: Sequence[SequenceState],
-        run: _StepRun,
-        consumed: tuple[int, ...],
-        while_running: Callable[[], None] | None = None,
-    ) -> PendingBatch:
+    def _queue(self, seqs: Sequence[SequenceState], run: _StepRun) -> _Queued:
+        """Queue the unit's draw (the sampler, or the graph's argmax) and its copy to the host."""
         assert run.logits is not None
         batch = self._sampling_batch(seqs)
         penalised = any(s.penalised for s in seqs)
@@ -456,18 +544,25 @@ class Qwen36Program:
                 with_logprob=want_logprobs,
             )
             drawn = result.tokens
+        return _Queued.copy_back(drawn, result, want_logprobs, top_n > 0)  # log-probs: only by the sampler
+
+    def _pending(
+        self,
+        kind: str,
+        seqs: Sequence[SequenceState],
+        queued: _Queued,
+        consumed: tuple[int, ...],
+        while_running: Callable[[], None] | None = None,
+    ) -> PendingBatch:
         if while_running is not None:
             # the unit (and the sampler, if it runs) is queued: the Engine's host work overlaps it. The
-            # callback never runs the Program (the contract), so the graph's buffers hold until the read
+            # callback never runs the Program (the contract)
             while_running()
-        tokens = drawn.tolist()  # the one host sync of a unit: the Engine needs the tokens
-        chosen: list[float] = []
-        top_ids: list[list[int]] = []
-        top_lp: list[list[float]] = []
-        if result is not None:  # log-probs always come through the sampler
-            chosen = result.logprob.tolist() if want_logprobs else []
-            top_ids = result.top_ids.tolist() if top_n else []
-            top_lp = result.top_logprobs.tolist() if top_n else []
+        queued.wait()  # the one host sync of a unit: the Engine needs the tokens
+        tokens: list[int] = queued.tokens.tolist()
+        chosen: list[float] = queued.logprob.tolist() if queued.logprob is not None else []
+        top_ids: list[list[int]] = queued.top_ids.tolist() if queued.top_ids is not None else []
+        top_lp: list[list[float]] = queued.top_logprobs.tolist() if queued.top_logprobs is not None else []
         rows = []
         for i, s in enumerate(seqs):
             lp = None
@@ -481,6 +576,36 @@ class Qwen36Program:
         return self._open(
             PendingBatch(self.owner, next(self._batch_ids), kind, rows, _Provisional(kind, consumed))
         )
+
+    def _may_look_ahead(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> bool:
+        """Whether the decode after this one is worth queueing now: every row may run it (its budget and
+        reservation hold one more position) and no row's sampler reads output counts, which only
+        `commit` brings up to date."""
+        return self.config.decode_lookahead and all(
+            b >= 2 and s.frontier + 2 <= s.max_total and not s.penalised for s, b in zip(seqs, budgets)
+        )
+
+    def _take_ahead(self, seqs: Sequence[SequenceState]) -> _Queued | None:
+        """The lookahead unit, when it is exactly the decode asked for: the same rows, each committed one
+        position on, with the tokens it was fed as the committed inputs. Otherwise it is dropped."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        self._ahead = None
+        if ahead.handles == tuple(s.handle for s in seqs) and all(
+            s.frontier == f and s.pending_input == t for s, f, t in zip(seqs, ahead.frontiers, ahead.inputs)
+        ):
+            self.lookahead["taken"] += 1
+            return ahead.queued
+        self.lookahead["dropped"] += 1
+        return None
+
+    def _drop_ahead(self) -> None:
+        """Forget the lookahead unit: what it writes is provisional, and whatever the Program queues
+        next runs after it on the one stream."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.lookahead["dropped"] += 1
 
     def _sampling_batch(self, seqs: Sequence[SequenceState]) -> SamplingBatch:
         """The rows' sampling settings on the device, rebuilt only when the rows change: a request's

@@ -70,16 +70,26 @@ class StepBuilder:
         self.device = block_tables.device
 
     def pack(
-        self, seqs: Sequence[SequenceState], inputs: Sequence[Sequence[int]], *, write_spare: bool
+        self,
+        seqs: Sequence[SequenceState],
+        inputs: Sequence[Sequence[int]],
+        *,
+        write_spare: bool,
+        ahead: int = 0,
     ) -> PackedStep:
         """Row r feeds ``inputs[r]`` at positions ``frontier..frontier+len-1`` of ``seqs[r]``.
 
         ``write_spare``: the final GDN state goes to the sequence's spare slot (provisional, flipped on
         commit); otherwise back into its current slot (a prefill chunk that commits directly).
+        ``ahead``: a decode that many units past the committed one (`decode_values`).
         """
         if all(len(row) == 1 for row in inputs):
-            values = self.decode_values(seqs, [row[0] for row in inputs], write_spare=write_spare)
-            return _packed(values, len(seqs), range(len(seqs) + 1), [s.frontier + 1 for s in seqs])
+            tokens = [row[0] for row in inputs]
+            values = self.decode_values(seqs, tokens, write_spare=write_spare, ahead=ahead)
+            context_lens = [s.frontier + 1 + ahead for s in seqs]
+            return _packed(values, len(seqs), range(len(seqs) + 1), context_lens)
+        if ahead:
+            raise ValueError("only a decode (one token per row) runs ahead of the committed frontier")
         ps = self.page_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -111,20 +121,27 @@ class StepBuilder:
         return _packed(values, len(tokens), query_start, context_lens)
 
     def decode_values(
-        self, seqs: Sequence[SequenceState], tokens: Sequence[int], *, write_spare: bool
+        self, seqs: Sequence[SequenceState], tokens: Sequence[int], *, write_spare: bool, ahead: int = 0
     ) -> list[int]:
         """`pack`'s values for one token per row (``tokens[r]`` at position ``frontier`` of ``seqs[r]``) as a
-        plain list: the decode round's short path (no per-page loop, no tensor)."""
+        plain list: the decode round's short path (no per-page loop, no tensor).
+
+        ``ahead=1``: the decode after the one not yet committed (the Program's lookahead), at position
+        ``frontier + 1``, reading the state that unit writes and writing the ring's next slot."""
         ps = self.page_size
-        positions = [s.frontier for s in seqs]
+        positions = [s.frontier + ahead for s in seqs]
+        if ahead:
+            state_in, state_out = [s.slot_after(ahead - 1) for s in seqs], [s.slot_after(ahead) for s in seqs]
+        else:
+            state_in, state_out = [s.slot for s in seqs], [s.spare if write_spare else s.slot for s in seqs]
         return _layout(
             [int(t) for t in tokens],
             positions,
             [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)],
             list(range(len(seqs) + 1)),
             context_lens=[p + 1 for p in positions],
-            state_in=[s.slot for s in seqs],
-            state_out=[s.spare if write_spare else s.slot for s in seqs],
+            state_in=state_in,
+            state_out=state_out,
             fresh=[int(p == 0) for p in positions],
             sequence_index=[s.handle.index for s in seqs],
         )
