@@ -312,7 +312,10 @@ class SamplingBatch:
         Program derives one for requests without `seed`)."""
         host = cls._host_tensors(params, seeds)
         candidates, all_greedy = cls._static_facts(params)
-        tensors = {name: t.to(device) for name, t in host.items()}
+        device = torch.device(device)
+        if device.type == "cuda":  # copies from pageable memory would each wait for the device queue
+            host = {name: t.pin_memory() for name, t in host.items()}
+        tensors = {name: t.to(device, non_blocking=True) for name, t in host.items()}
         return cls(**tensors, candidates=candidates, all_greedy=all_greedy)
 
     def update(self, params: Sequence[SamplingParams], seeds: Sequence[int]) -> None:

@@ -18,9 +18,10 @@ Mechanisms (ARCHITECTURE.md §4):
   while the Engine previews, commits and publishes the first (SGLang's overlap scheduling, vLLM's async
   scheduling). It is provisional state like any unit's: it writes the ring's third slot and K/V beyond
   the frontier, so a commit or an abort of the unit before it still finds everything it may keep
-  intact. The next `decode` takes it only when it is exactly that unit (the same rows, each one position
-  on, fed by the tokens the Engine committed); anything else drops it unread: every later unit and every
-  later write of the Program is queued behind it on the one stream. `release` waits until the device has
+  intact. The next `decode` takes its results when every row asked for is one it ran, one position on
+  and fed the token the Engine committed (a row that ended meanwhile is left out; rows at their last
+  token are not run ahead at all); anything else drops it unread: every later unit and every later
+  write of the Program is queued behind it on the one stream. `release` waits until the device has
   run every unit queued so far, so a sequence's slots and pages change owner only after the units that
   wrote them are stable (the specification's order, not only the stream's).
 
@@ -29,6 +30,7 @@ The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -125,6 +127,7 @@ class _Queued:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     done: torch.cuda.Event | None  # recorded after the copies (CUDA); None: they are done
+    rows: tuple[int, ...] | None = None  # the host copies' rows this read-back keeps, in order (None: all)
 
     @classmethod
     def copy_back(cls, drawn: torch.Tensor, result: SampleResult | None, logprob: bool, top: bool) -> _Queued:
@@ -144,6 +147,26 @@ class _Queued:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+    def subset(self, rows: Sequence[int]) -> _Queued:
+        """The same unit's results for some of its rows, in the order of ``rows``: the device tokens
+        gathered (queued behind the draw), the host copies picked when they are read."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if self.drawn.is_cuda:  # a copy from pageable memory would wait for the device queue to drain
+            index = index.pin_memory().to(self.drawn.device, non_blocking=True)
+        kept = tuple(self.rows[i] for i in rows) if self.rows is not None else tuple(rows)
+        return dataclasses.replace(self, drawn=self.drawn.index_select(0, index), rows=kept)
+
+    def read(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """Wait for the copies; the kept rows' tokens, log-probs, top ids and top log-probs (empty lists
+        where the unit computed none)."""
+        self.wait()
+
+        def kept(t: torch.Tensor | None) -> list:
+            values = t.tolist() if t is not None else []
+            return [values[i] for i in self.rows] if values and self.rows is not None else values
+
+        return kept(self.tokens), kept(self.logprob), kept(self.top_ids), kept(self.top_logprobs)
 
 
 @dataclass(eq=False)
@@ -208,7 +231,8 @@ class Qwen36Program:
         self._sampling: SamplingBatch | None = None  # the last unit's rows' settings (see _sampling_batch)
         self._sampling_rows: tuple[SequenceHandle, ...] = ()
         self._ahead: _Ahead | None = None
-        self.lookahead = {"taken": 0, "dropped": 0}  # lookahead units (observability; tests read it)
+        # lookahead units taken (some of them for part of their rows, or in another order) and dropped
+        self.lookahead = {"taken": 0, "subset": 0, "dropped": 0}  # (observability; tests read it)
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(self._decode_logits, n, config.device, scratch_slot=0)
 
@@ -353,8 +377,6 @@ class Qwen36Program:
     def release(self, handle: SequenceHandle) -> ResourceResult:
         seq = self._sequence(handle)
         self._no_open_pending("release")
-        if self._ahead is not None and handle in self._ahead.handles:
-            self._drop_ahead()
         if self.config.device.type == "cuda":  # the units queued so far (a dropped lookahead, a forced
             torch.cuda.current_stream(self.config.device).synchronize()  # chunk) end before the handover
         self._slots.free(list(seq.slots))
@@ -408,19 +430,25 @@ class Qwen36Program:
         if queued is None:
             run = self._run(seqs, [(s.pending_input,) for s in seqs], write_spare=True, logits="last")
             queued = self._queue(seqs, run)
-        ahead = None
-        if repeat_expected and self._may_look_ahead(seqs, budgets):
-            placeholders = [(0,)] * len(seqs)  # the inputs are ``queued.drawn``, on the device
-            run = self._run(seqs, placeholders, write_spare=True, logits="last", fed=queued.drawn)
-            ahead = self._queue(seqs, run)
+        ahead_rows = self._look_ahead_rows(seqs, budgets) if repeat_expected else []
+        if ahead_rows:
+            # the rows that go on after this unit, fed on the device by its draw
+            ahead_seqs = [seqs[i] for i in ahead_rows]
+            fed = queued if len(ahead_rows) == len(seqs) else queued.subset(ahead_rows)
+            placeholders = [(0,)] * len(ahead_seqs)  # the inputs are ``fed.drawn``
+            run = self._run(ahead_seqs, placeholders, write_spare=True, logits="last", fed=fed.drawn)
+            ahead = self._queue(ahead_seqs, run)
         consumed = (1,) * len(seqs)
         # if ``while_running`` raises, the lookahead is forgotten in flight: the Engine then fails, and any
         # later unit would be queued behind it anyway
         pending = self._pending("decode", seqs, queued, consumed=consumed, while_running=while_running)
-        if ahead is not None:
-            frontiers = tuple(s.frontier + 1 for s in seqs)
-            inputs = tuple(row.tokens[0] for row in pending.rows)
-            self._ahead = _Ahead(tuple(handles), frontiers, ahead, inputs)
+        if ahead_rows:
+            self._ahead = _Ahead(
+                handles=tuple(seqs[i].handle for i in ahead_rows),
+                frontiers=tuple(seqs[i].frontier + 1 for i in ahead_rows),
+                queued=ahead,
+                inputs=tuple(pending.rows[i].tokens[0] for i in ahead_rows),
+            )
         return pending
 
     @torch.inference_mode()
@@ -558,11 +586,7 @@ class Qwen36Program:
             # the unit (and the sampler, if it runs) is queued: the Engine's host work overlaps it. The
             # callback never runs the Program (the contract)
             while_running()
-        queued.wait()  # the one host sync of a unit: the Engine needs the tokens
-        tokens: list[int] = queued.tokens.tolist()
-        chosen: list[float] = queued.logprob.tolist() if queued.logprob is not None else []
-        top_ids: list[list[int]] = queued.top_ids.tolist() if queued.top_ids is not None else []
-        top_lp: list[list[float]] = queued.top_logprobs.tolist() if queued.top_logprobs is not None else []
+        tokens, chosen, top_ids, top_lp = queued.read()  # the one host sync of a unit: the Engine needs them
         rows = []
         for i, s in enumerate(seqs):
             lp = None
@@ -577,26 +601,36 @@ class Qwen36Program:
             PendingBatch(self.owner, next(self._batch_ids), kind, rows, _Provisional(kind, consumed))
         )
 
-    def _may_look_ahead(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> bool:
-        """Whether the decode after this one is worth queueing now: every row may run it (its budget and
-        reservation hold one more position) and no row's sampler reads output counts, which only
-        `commit` brings up to date."""
-        return self.config.decode_lookahead and all(
-            b >= 2 and s.frontier + 2 <= s.max_total and not s.penalised for s, b in zip(seqs, budgets)
-        )
+    def _look_ahead_rows(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[int]:
+        """The rows of the decode after this one, worth queueing now: those whose budget holds another
+        token (a row at its last one ends here), provided none of them has a sampler reading output
+        counts, which only `commit` brings up to date (the next round would hold that row: no lookahead)."""
+        if not self.config.decode_lookahead:
+            return []
+        rows = [i for i, b in enumerate(budgets) if b >= 2]
+        if any(seqs[i].penalised or seqs[i].frontier + 2 > seqs[i].max_total for i in rows):
+            return []
+        return rows
 
     def _take_ahead(self, seqs: Sequence[SequenceState]) -> _Queued | None:
-        """The lookahead unit, when it is exactly the decode asked for: the same rows, each committed one
-        position on, with the tokens it was fed as the committed inputs. Otherwise it is dropped."""
+        """The lookahead unit's results for the decode asked for, when it ran every one of its rows: each
+        committed one position on, fed the token the Engine committed (rows it ran that are not asked
+        for, e.g. one that ended on a stop token, are left out). Otherwise it is dropped."""
         ahead = self._ahead
         if ahead is None:
             return None
         self._ahead = None
-        if ahead.handles == tuple(s.handle for s in seqs) and all(
-            s.frontier == f and s.pending_input == t for s, f, t in zip(seqs, ahead.frontiers, ahead.inputs)
+        position = {h: i for i, h in enumerate(ahead.handles)}
+        rows = [position.get(s.handle, -1) for s in seqs]
+        frontiers, inputs = ahead.frontiers, ahead.inputs
+        if -1 not in rows and all(
+            s.frontier == frontiers[i] and s.pending_input == inputs[i] for s, i in zip(seqs, rows)
         ):
             self.lookahead["taken"] += 1
-            return ahead.queued
+            if rows == list(range(len(ahead.handles))):
+                return ahead.queued
+            self.lookahead["subset"] += 1
+            return ahead.queued.subset(rows)
         self.lookahead["dropped"] += 1
         return None
 
