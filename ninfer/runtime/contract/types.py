@@ -58,9 +58,8 @@ Rules every Program implementation must keep (each method's docstring repeats th
 13. **The repeat hint.** ``decode(..., repeat_expected=True)`` says the Engine expects its next unit to be
     this decode round again, unless a row ends or asks for forced control (no prefill is staged). A
     Program may then queue that round behind this one before it is committed (the decode lookahead:
-    provisional state only, rules 5 and 6 unchanged, dropped unread unless the next call asks for rows
-    it ran, at the frontiers it assumed). The hint only saves or wastes device time; it never changes a
-    token.
+    provisional state only, rules 5 and 6 unchanged, dropped unread unless the next call is exactly that
+    round). The hint only saves or wastes device time; it never changes a token.
 14. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
     reserved pages, open transactions, open pending batches); after every request has ended it must
     equal the baseline taken after construction/warmup (checkpoints aside).

@@ -18,19 +18,18 @@ Mechanisms (ARCHITECTURE.md §4):
   while the Engine previews, commits and publishes the first (SGLang's overlap scheduling, vLLM's async
   scheduling). It is provisional state like any unit's: it writes the ring's third slot and K/V beyond
   the frontier, so a commit or an abort of the unit before it still finds everything it may keep
-  intact. The next `decode` takes its results when every row asked for is one it ran, one position on
-  and fed the token the Engine committed (a row that ended meanwhile is left out; rows at their last
-  token are not run ahead at all); anything else drops it unread: every later unit and every later
-  write of the Program is queued behind it on the one stream. `release` waits until the device has
-  run every unit queued so far, so a sequence's slots and pages change owner only after the units that
-  wrote them are stable (the specification's order, not only the stream's).
+  intact. The next `decode` takes it only when it is exactly that unit (the same rows in the same order,
+  each one position on, fed the tokens the Engine committed; rows at their last token are not run ahead
+  at all, so a round that loses them by length still matches); anything else drops it unread: every
+  later unit and every later write of the Program is queued behind it on the one stream. `release`
+  waits until the device has run every unit queued so far, so a sequence's slots and pages change owner
+  only after the units that wrote them are stable (the specification's order, not only the stream's).
 
 The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -127,7 +126,6 @@ class _Queued:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     done: torch.cuda.Event | None  # recorded after the copies (CUDA); None: they are done
-    rows: tuple[int, ...] | None = None  # the host copies' rows this read-back keeps, in order (None: all)
 
     @classmethod
     def copy_back(cls, drawn: torch.Tensor, result: SampleResult | None, logprob: bool, top: bool) -> _Queued:
@@ -148,25 +146,15 @@ class _Queued:
         if self.done is not None:
             self.done.synchronize()
 
-    def subset(self, rows: Sequence[int]) -> _Queued:
-        """The same unit's results for some of its rows, in the order of ``rows``: the device tokens
-        gathered (queued behind the draw), the host copies picked when they are read."""
-        index = torch.tensor(rows, dtype=torch.long)
-        if self.drawn.is_cuda:  # a copy from pageable memory would wait for the device queue to drain
-            index = index.pin_memory().to(self.drawn.device, non_blocking=True)
-        kept = tuple(self.rows[i] for i in rows) if self.rows is not None else tuple(rows)
-        return dataclasses.replace(self, drawn=self.drawn.index_select(0, index), rows=kept)
-
     def read(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
-        """Wait for the copies; the kept rows' tokens, log-probs, top ids and top log-probs (empty lists
-        where the unit computed none)."""
+        """Wait for the copies; the rows' tokens, log-probs, top ids and top log-probs (empty lists where
+        the unit computed none)."""
         self.wait()
 
-        def kept(t: torch.Tensor | None) -> list:
-            values = t.tolist() if t is not None else []
-            return [values[i] for i in self.rows] if values and self.rows is not None else values
+        def host(t: torch.Tensor | None) -> list:
+            return t.tolist() if t is not None else []
 
-        return kept(self.tokens), kept(self.logprob), kept(self.top_ids), kept(self.top_logprobs)
+        return host(self.tokens), host(self.logprob), host(self.top_ids), host(self.top_logprobs)
 
 
 @dataclass(eq=False)
@@ -177,6 +165,15 @@ class _Ahead:
     frontiers: tuple[int, ...]  # each row's committed frontier the unit assumes
     queued: _Queued
     inputs: tuple[int, ...]  # the unit before's tokens (read back): its inputs
+
+
+def _gather(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``tokens[rows]`` on the device, queued behind what computes ``tokens`` (the index goes through
+    pinned memory: a copy from pageable memory would wait for the device queue to drain)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if tokens.is_cuda:
+        index = index.pin_memory().to(tokens.device, non_blocking=True)
+    return tokens.index_select(0, index)
 
 
 def _sampler_params(sampling: SamplingParams) -> OpsSamplingParams:
@@ -231,8 +228,7 @@ class Qwen36Program:
         self._sampling: SamplingBatch | None = None  # the last unit's rows' settings (see _sampling_batch)
         self._sampling_rows: tuple[SequenceHandle, ...] = ()
         self._ahead: _Ahead | None = None
-        # lookahead units taken (some of them for part of their rows, or in another order) and dropped
-        self.lookahead = {"taken": 0, "subset": 0, "dropped": 0}  # (observability; tests read it)
+        self.lookahead = {"taken": 0, "dropped": 0}  # lookahead units (observability; tests read it)
         if config.cuda_graphs and config.device.type == "cuda":
             self._graphs = DecodeGraphs(self._decode_logits, n, config.device, scratch_slot=0)
 
@@ -377,6 +373,8 @@ class Qwen36Program:
     def release(self, handle: SequenceHandle) -> ResourceResult:
         seq = self._sequence(handle)
         self._no_open_pending("release")
+        if self._ahead is not None and handle in self._ahead.handles:
+            self._drop_ahead()  # no later decode can ask for a released sequence
         if self.config.device.type == "cuda":  # the units queued so far (a dropped lookahead, a forced
             torch.cuda.current_stream(self.config.device).synchronize()  # chunk) end before the handover
         self._slots.free(list(seq.slots))
@@ -434,9 +432,9 @@ class Qwen36Program:
         if ahead_rows:
             # the rows that go on after this unit, fed on the device by its draw
             ahead_seqs = [seqs[i] for i in ahead_rows]
-            fed = queued if len(ahead_rows) == len(seqs) else queued.subset(ahead_rows)
-            placeholders = [(0,)] * len(ahead_seqs)  # the inputs are ``fed.drawn``
-            run = self._run(ahead_seqs, placeholders, write_spare=True, logits="last", fed=fed.drawn)
+            fed = queued.drawn if len(ahead_rows) == len(seqs) else _gather(queued.drawn, ahead_rows)
+            placeholders = [(0,)] * len(ahead_seqs)  # the inputs are ``fed``
+            run = self._run(ahead_seqs, placeholders, write_spare=True, logits="last", fed=fed)
             ahead = self._queue(ahead_seqs, run)
         consumed = (1,) * len(seqs)
         # if ``while_running`` raises, the lookahead is forgotten in flight: the Engine then fails, and any
@@ -613,24 +611,21 @@ class Qwen36Program:
         return rows
 
     def _take_ahead(self, seqs: Sequence[SequenceState]) -> _Queued | None:
-        """The lookahead unit's results for the decode asked for, when it ran every one of its rows: each
-        committed one position on, fed the token the Engine committed (rows it ran that are not asked
-        for, e.g. one that ended on a stop token, are left out). Otherwise it is dropped."""
+        """The lookahead unit, when it is exactly the decode asked for: the same rows in the same order,
+        each committed one position on, fed the token the Engine committed. Otherwise it is dropped.
+
+        Exactly: a row's logits depend, in their last bits, on which rows share its batch and in which
+        order (the kernels' reduction order does), so a unit run for other rows is not the unit plain
+        decoding runs, even where each row's state is right."""
         ahead = self._ahead
         if ahead is None:
             return None
         self._ahead = None
-        position = {h: i for i, h in enumerate(ahead.handles)}
-        rows = [position.get(s.handle, -1) for s in seqs]
-        frontiers, inputs = ahead.frontiers, ahead.inputs
-        if -1 not in rows and all(
-            s.frontier == frontiers[i] and s.pending_input == inputs[i] for s, i in zip(seqs, rows)
+        if ahead.handles == tuple(s.handle for s in seqs) and all(
+            s.frontier == f and s.pending_input == t for s, f, t in zip(seqs, ahead.frontiers, ahead.inputs)
         ):
             self.lookahead["taken"] += 1
-            if rows == list(range(len(ahead.handles))):
-                return ahead.queued
-            self.lookahead["subset"] += 1
-            return ahead.queued.subset(rows)
+            return ahead.queued
         self.lookahead["dropped"] += 1
         return None
 
