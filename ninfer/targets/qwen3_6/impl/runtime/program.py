@@ -14,16 +14,16 @@ Mechanisms (ARCHITECTURE.md §4):
   the frontier moving on commit, and forced tokens never touch it.
 - Decode lookahead (``ProgramConfig.decode_lookahead``): when the Engine expects the same round next
   (``repeat_expected``), `decode` queues, right behind the unit it was asked for, the decode after it,
-  fed on the device by the first one's sampled tokens, so the GPU runs it
-  while the Engine previews, commits and publishes the first (SGLang's overlap scheduling, vLLM's async
-  scheduling). It is provisional state like any unit's: it writes the ring's third slot and K/V beyond
-  the frontier, so a commit or an abort of the unit before it still finds everything it may keep
-  intact. The next `decode` takes it only when it is exactly that unit (the same rows in the same order,
-  each one position on, fed the tokens the Engine committed; rows at their last token are not run ahead
-  at all, so a round that loses them by length still matches); anything else drops it unread: every
-  later unit and every later write of the Program is queued behind it on the one stream. `release`
-  waits until the device has run every unit queued so far, so a sequence's slots and pages change owner
-  only after the units that wrote them are stable (the specification's order, not only the stream's).
+  fed on the device by the first one's sampled tokens, so the GPU runs it while the Engine previews,
+  commits and publishes the first (SGLang's overlap scheduling, vLLM's async scheduling). It is
+  provisional state like any unit's: it writes the ring's third slot and K/V beyond the frontier, so a
+  commit or an abort of the unit before it still finds everything it may keep intact. The next `decode`
+  takes it only when it is exactly that unit (the same rows in the same order, each one position on, fed
+  the tokens the Engine committed; rows at their last token are not run ahead at all, so a round that
+  loses them by length still matches); anything else drops it unread: every later unit and every later
+  write of the Program is queued behind it on the one stream. `release` waits until the device has run
+  every unit queued so far, so a sequence's slots and pages change owner only after the units that wrote
+  them are stable (the specification's order, not only the stream's).
 
 The contract this implements, rule by rule, is ``ninfer/runtime/contract/types.py``.
 """
