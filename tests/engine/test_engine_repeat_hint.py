@@ -1,5 +1,7 @@
 """The Engine's repeat hint to the Program (contract rule 13): ``decode(..., repeat_expected=True)`` only
-when the next unit will be the same round unless a row ends or asks for control.
+when the next unit will be the same round (less the rows it ends by length) unless a row ends early or
+asks for control: never while a prefill is staged, nor when a row ends by length while a request waits
+for its lane (that request's prefill goes next).
 
 A Program with the decode lookahead queues that round ahead on the hint; a hint before a prefill would
 waste a whole decode step on the device, a missing one in steady decode would lose the overlap.
@@ -40,14 +42,7 @@ def test_hint_is_false_before_a_prefill_and_true_in_steady_decode() -> None:
     decodes = [i for i, (kind, _) in enumerate(units) if kind is UnitKind.DECODE]
     assert len(program.repeat_hints) == len(decodes)
     hint_at = dict(zip(decodes, program.repeat_hints))
-    last_unit = {rid: i for i, (_, ids) in enumerate(units) for rid in ids}
-
-    def row_ends(i: int) -> bool:  # a lane frees: the next unit may then be a new request's prefill
-        return any(last_unit[rid] == i for rid in units[i][1])
-
-    before_prefill = [
-        i for i in decodes if i + 1 < len(units) and units[i + 1][0] is UnitKind.PREFILL and not row_ends(i)
-    ]
+    before_prefill = [i for i in decodes if i + 1 < len(units) and units[i + 1][0] is UnitKind.PREFILL]
     assert len(before_prefill) >= 4, "the scenario interleaves prefill chunks with decode rounds"
     assert not any(hint_at[i] for i in before_prefill), [(i, units[i : i + 2]) for i in before_prefill]
     repeated = [i for i in decodes if i + 1 < len(units) and units[i + 1] == units[i]]

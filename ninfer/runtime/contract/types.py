@@ -56,10 +56,11 @@ Rules every Program implementation must keep (each method's docstring repeats th
     and never keeps it. ``f`` is the Engine's own host work and never calls the Program (rule 1); an
     exception from it propagates out of ``decode`` with no PendingBatch opened (the Engine then fails).
 13. **The repeat hint.** ``decode(..., repeat_expected=True)`` says the Engine expects its next unit to be
-    this decode round again, unless a row ends or asks for forced control (no prefill is staged). A
-    Program may then queue that round behind this one before it is committed (the decode lookahead:
-    provisional state only, rules 5 and 6 unchanged, dropped unread unless the next call is exactly that
-    round). The hint only saves or wastes device time; it never changes a token.
+    this decode round again, less the rows it ends by length, unless a row ends early or asks for forced
+    control (no prefill is staged, no request waits for a lane a row frees). A Program may then queue
+    that round behind this one before it is committed (the decode lookahead: provisional state only,
+    rules 5 and 6 unchanged, dropped unread unless the next call is exactly that round). The hint only
+    saves or wastes device time; it never changes a token.
 14. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
     reserved pages, open transactions, open pending batches); after every request has ended it must
     equal the baseline taken after construction/warmup (checkpoints aside).

@@ -557,7 +557,10 @@ class EngineCore:
                 handles.append(self._handle(record))
                 budgets.append(record.remaining_budget)
             batch = self._program.decode(
-                handles, budgets, while_running=self._publish_committed, repeat_expected=self._round_repeats()
+                handles,
+                budgets,
+                while_running=self._publish_committed,
+                repeat_expected=self._round_repeats(budgets),
             )
             self._open_batch = batch
             if self._unpublished:  # the Program did not call back: the preview below needs it
@@ -581,12 +584,17 @@ class EngineCore:
                 raise EngineInvariantError("force produced tokens other than the forced ones")
             self._commit_unit(batch, unit.members)
 
-    def _round_repeats(self) -> bool:
-        """Whether the unit after this decode round is, unless a row ends or asks for forced control, the
-        same round (contract rule 13): the Scheduler has no prefill staged. A waiting request this
-        boundary did not admit stays blocked until a lane or resources free, that is until a row ends; a
-        request or a cancellation arriving while the round runs is a miss the hint cannot see."""
-        return self._scheduler.staged is None
+    def _round_repeats(self, budgets: list[int]) -> bool:
+        """Whether the unit after this decode round is, unless a row ends early or asks for forced
+        control, the same round less the rows it ends by length (contract rule 13): the Scheduler has no
+        prefill staged, and no row ends by length while a request waits (the lane it frees would admit
+        that request, whose prefill goes next). A waiting request this boundary did not admit stays
+        blocked until a row ends; a request or a cancellation arriving while the round runs is a miss the
+        hint cannot see."""
+        scheduler = self._scheduler
+        if scheduler.staged is not None:
+            return False
+        return not (scheduler.has_waiting and min(budgets) <= 1)
 
     def _run_prefill(self, record: RequestRecord) -> None:
         handle = self._handle(record)
