@@ -2,11 +2,13 @@
 
 A graph reads one static buffer: the step's packed host facts (`step.PackedStep`: token ids,
 positions, KV slots, context lengths, state slots, fresh flags, sequence indices), written as a plain
-list (`StepBuilder.decode_values`) into a pinned staging buffer and copied in with one host-to-device
-copy before replay. Unpacking them into the model's `StepBatch` (casts, the block-table
-gather) is part of the captured work. Request identity and page ids are data, never part of the key,
-so one graph per ``B`` serves every mix of requests. Graphs share one memory pool and are captured
-once, at Program construction (warmup), never on the request path.
+list (`StepBuilder.decode_values`) into a pinned staging buffer (two per graph, used in turn, for the
+Program's decode lookahead) and copied in with one host-to-device copy before replay; a lookahead's
+input tokens are then copied over from the previous unit's draw, on the device. Unpacking them into
+the model's `StepBatch` (casts, the block-table gather) is part of the captured work. Request identity
+and page ids are data, never part of the key, so one graph per ``B`` serves every mix of requests.
+Graphs share one memory pool and are captured once, at Program construction (warmup), never on the
+request path.
 
 Each graph ends with the argmax of its logits: rows that all decode greedily, without penalties or
 log-probs, take their tokens from it and skip the sampler's launches after the replay (steps that still

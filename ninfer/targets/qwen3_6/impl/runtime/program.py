@@ -375,8 +375,9 @@ class Qwen36Program:
         self._no_open_pending("release")
         if self._ahead is not None and handle in self._ahead.handles:
             self._drop_ahead()  # no later decode can ask for a released sequence
-        if self.config.device.type == "cuda":  # the units queued so far (a dropped lookahead, a forced
-            torch.cuda.current_stream(self.config.device).synchronize()  # chunk) end before the handover
+        if self.config.device.type == "cuda":
+            # every unit queued so far (a dropped lookahead, a forced chunk) ends before the handover
+            torch.cuda.current_stream(self.config.device).synchronize()
         self._slots.free(list(seq.slots))
         self._pages.free(seq.pages)
         del self._sequences[handle.index]
