@@ -2,12 +2,13 @@
 # One device call, several steps: `bash tools/gpu_session.sh STEP...`; each step's log goes to $OUT/STEP.log
 # and a one-line status to stdout. Steps: see the case below (tests, pytests (PYTESTS=the test files,
 # required; PYTESTS_TIMEOUT), opstests, gputests and its two halves graphtest / fastpathtests, gemmmoetests,
-# moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode: the decode MoE block's tiles), ab
+# moetests, attn, gemm, fla, moe, small, the sweeps (moesweepdecode: the decode MoE block's tiles; moeprofile:
+# its launches' times at MOE_TOKENS under three routings), ab
 # (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full] (BENCH_ARGS, BENCH_TAG: extra flags
 # and a suffix of the JSON's name), bench35/27plain (without the decode lookahead), profile35/27, prefilldetail,
 # engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), hostround27/35
 # (HOSTROUND_BATCH), skinny,
-# chain (GEMV tiles timed back to back, as in the graph), graphlaunch, pdlprofile, pdloff8, chunk8k,
+# chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch, pdlprofile, pdloff8, chunk8k,
 # start27: a synthetic full-size 27B artifact loaded by bench).
 # Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
@@ -59,6 +60,8 @@ for step in "$@"; do
     pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs ${PYTESTS:?set PYTESTS} ;;
     moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
     moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
+    moeprofile) NINFER_PDL=0 timeout 150 python3 -m tools.kernel_bench.moe_decode --profile --tokens ${MOE_TOKENS:-1 8} ;;
+    chain8) timeout 150 python3 -m tools.kernel_bench.skinny_chain --rows 8 --shapes ${CHAIN_SHAPES:-5120x6144} ;;
     ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;
     ab27) timeout 300 python3 -m tools.ab_step qwen3_6_27b --env "$AB_ENV" --rounds 2 ;;
     gemmmoetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_skinny_gemm.py tests/ops/test_triton_fused_moe.py ;;

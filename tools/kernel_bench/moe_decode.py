@@ -1,7 +1,7 @@
 """Time the decode MoE block (`ninfer.ops.triton.moe_decode`) at the Qwen3.6-35B-A3B shapes, and sweep its
 gate/up tiles.
 
-    python3 -m tools.kernel_bench.moe_decode [--tokens 1 8]
+    python3 -m tools.kernel_bench.moe_decode [--tokens 1 8] [--profile]
 
 E=256 experts, top-8, H=2048, I=512, bf16, random weights and inputs. For each T, each line is the graph
 replay (L2 flushed between replays, so the weights come from HBM) of the block after the layer's hidden
@@ -15,6 +15,9 @@ state, as the model runs it:
   default down tiles.
 
 Then the best tiles per T. With OUT set, the rows go to $OUT/moe_decode_sweep.json.
+
+``--profile`` (run with NINFER_PDL=0) prints each launch's own time instead, with the default tiles, for
+three routings (`_routing_logits`): whether experts shared by tokens cost their bytes once or per token.
 """
 
 from __future__ import annotations
@@ -56,11 +59,55 @@ SWEEP = [
 ]
 
 
+def _routing_logits(natural: torch.Tensor, pattern: str) -> torch.Tensor:
+    """Router logits [T, E] for a routing pattern: `natural` (the GEMV's), `disjoint` (token t routes to
+    experts 8t..8t+7: no expert shared) or `same` (every token to experts 0..7)."""
+    if pattern == "natural":
+        return natural
+    logits = natural.clone()
+    for t in range(logits.shape[0]):
+        first = (TOP_K * t) % EXPERTS if pattern == "disjoint" else 0
+        logits[t, first : first + TOP_K] += 100.0
+    return logits
+
+
+def profile_launches(tokens: int, weights: dict[str, torch.Tensor]) -> None:
+    """Each launch's own time (CUPTI; with NINFER_PDL=0 no kernel waits inside its launch) over 20 graph
+    replays of `moe_decode_block` after the stacked GEMV, L2 flushed between replays, per routing pattern."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).to(BF16)
+    natural = _fast_linear(x, weights["input_proj"])
+    flush = torch.empty(1 << 28, dtype=torch.int8, device=DEVICE)
+    for pattern in ("natural", "disjoint", "same"):
+        projected = natural.clone()
+        projected[:, :EXPERTS] = _routing_logits(natural[:, :EXPERTS], pattern)
+
+        def block(projected: torch.Tensor = projected) -> torch.Tensor:
+            return moe_decode_block(
+                x, projected, weights["gate_up"], weights["down"], weights["shared_down"],
+                weights["shared_gate"], TOP_K,
+            )  # fmt: skip
+
+        replay = graphed(block)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                flush.zero_()
+                replay()
+            torch.cuda.synchronize()
+        for event in prof.key_averages():
+            if event.device_type.name == "CUDA" and "elementwise" not in event.key:  # not the flush
+                us = event.self_device_time_total / max(event.count, 1)
+                print(f"T={tokens} {pattern:8s} {event.key[:40]:40s} {us:8.2f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--profile", action="store_true", help="each launch's time (run with NINFER_PDL=0)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -72,6 +119,12 @@ def main() -> None:
     down = randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5)
     shared_down = randn(HIDDEN, INTER, scale=INTER**-0.5)
     shared_gate = randn(1, HIDDEN, scale=HIDDEN**-0.5)
+    if args.profile:
+        weights = {"input_proj": input_proj, "gate_up": gate_up, "down": down, "shared_down": shared_down,
+                   "shared_gate": shared_gate}  # fmt: skip
+        for tokens in args.tokens:
+            profile_launches(tokens, weights)
+        return
     rows = []
     for tokens in args.tokens:
         x = randn(tokens, HIDDEN, scale=1.0)

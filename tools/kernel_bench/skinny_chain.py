@@ -1,13 +1,14 @@
 """Time GEMV tiles the way the decode graph runs them: a chain of projections back to back in one CUDA graph.
 
-    python3 -m tools.kernel_bench.skinny_chain [--shapes 5120x6144 5120x17408] [--chain 16]
+    python3 -m tools.kernel_bench.skinny_chain [--shapes 5120x6144 5120x17408] [--chain 16] [--rows 1]
 
 The sweep in `skinny_gemm` times one launch per graph, so each config pays its own launch and ramp-up.
 In a decode step the projections follow each other under programmatic dependent launch, so a config's
 cost is its steady-state streaming plus the overlap it allows with its neighbour. Here each config runs
 ``--chain`` one-row projections of the same shape over distinct weights (more bytes than L2 holds),
 captured in one graph; the time per projection is the replay over the chain length. cuBLAS (`F.linear`)
-and the `_TUNED` config are printed for comparison. With OUT set, the rows go to
+and the `_TUNED` config are printed for comparison. ``--rows 8`` times eight-row projections (the B = 8
+decode step) against the dot kernel's tiles, with and without split-K. With OUT set, the rows go to
 $OUT/skinny_chain.json.
 """
 
@@ -40,17 +41,27 @@ CANDIDATES = {
 }
 
 
-def time_chain(n: int, k: int, chain: int) -> list[dict[str, object]]:
+# several-row dot tiles (split-K 1 / 2 / 4; a split writes fp32 partials and adds a reduce launch)
+ROW_CANDIDATES = {
+    f"dot-{bn}x{bk}-st{st}-split{sk}": SkinnyConfig(
+        block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st, use_dot=True
+    )
+    for bn, bk, st in ((16, 256, 4), (32, 128, 4), (32, 256, 3), (64, 128, 4), (64, 128, 6))
+    for sk in (1, 2, 4)
+}
+
+
+def time_chain(n: int, k: int, chain: int, m: int = 1) -> list[dict[str, object]]:
     weights = [_weights(n, k) for _ in range(chain)]
-    x = torch.randn(1, k, device=DEVICE, dtype=BF16)
-    outs = [torch.empty(1, n, device=DEVICE, dtype=BF16) for _ in range(chain)]
+    x = torch.randn(m, k, device=DEVICE, dtype=BF16)
+    outs = [torch.empty(m, n, device=DEVICE, dtype=BF16) for _ in range(chain)]
     want = F.linear(x.float(), weights[-1].float())
     rows: list[dict[str, object]] = []
 
     def record(name: str, fn, config: SkinnyConfig | None) -> None:  # noqa: ANN001
         per_call = time_us(graphed(fn)) / chain
         rows.append({
-            "shape": [1, n, k], "name": name, "config": None if config is None else repr(config),
+            "shape": [m, n, k], "name": name, "config": None if config is None else repr(config),
             "us": round(per_call, 2), "GB/s": round(n * k * 2 / per_call / 1e3, 1),
             "max_rel_err": max_rel_error(outs[-1], want),
         })  # fmt: skip
@@ -60,9 +71,10 @@ def time_chain(n: int, k: int, chain: int) -> list[dict[str, object]]:
             torch.matmul(x, w.t(), out=out)
 
     record("cublas", cublas, None)
-    tuned = default_config(1, n, k)
-    configs = {"tuned": tuned, **CANDIDATES}
+    tuned = default_config(m, n, k)
+    configs = {"tuned": tuned, **(CANDIDATES if m == 1 else ROW_CANDIDATES)}
     for name, config in configs.items():
+
         def chained(config: SkinnyConfig = config) -> None:
             for w, out in zip(weights, outs):
                 skinny_linear(x, w, out=out, config=config)
@@ -70,7 +82,7 @@ def time_chain(n: int, k: int, chain: int) -> list[dict[str, object]]:
         record(name, chained, config)
     rows.sort(key=lambda row: row["us"])
     for row in rows:
-        print(f"1x{n}x{k}  {row['name']:<18} {row['us']:7.2f} us  {row['GB/s']:7.1f} GB/s  "
+        print(f"{m}x{n}x{k}  {row['name']:<22} {row['us']:7.2f} us  {row['GB/s']:7.1f} GB/s  "
               f"err {row['max_rel_err']:.1e}  {row['config'] or ''}", flush=True)  # fmt: skip
     return rows
 
@@ -80,11 +92,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--shapes", nargs="+", default=["5120x6144", "5120x17408", "14336x5120"])
     parser.add_argument("--chain", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=1, help="M, the projection's rows (1..16)")
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
-        rows += time_chain(n, k, args.chain)
+        rows += time_chain(n, k, args.chain, args.rows)
     finish("skinny_chain", rows)
 
 
