@@ -8,7 +8,8 @@
 # and a suffix of the JSON's name), bench35/27plain (without the decode lookahead), profile35/27, prefilldetail,
 # engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), hostround27/35
 # (HOSTROUND_BATCH), skinny,
-# chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch, pdlprofile, pdloff8, chunk8k,
+# chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
+# pdlprofile, pdloff8, chunk8k,
 # start27: a synthetic full-size 27B artifact loaded by bench).
 # Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
