@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -72,9 +73,10 @@ def _routing_logits(natural: torch.Tensor, pattern: str) -> torch.Tensor:
 
 
 def profile_launches(tokens: int, weights: dict[str, torch.Tensor]) -> None:
-    """Each launch's own time (CUPTI; with NINFER_PDL=0 no kernel waits inside its launch) over 20 graph
-    replays of `moe_decode_block` after the stacked GEMV, L2 flushed between replays, per routing pattern."""
-    from torch.profiler import ProfilerActivity, profile
+    """Each launch's own time (`tools.profile_step.profile`; with NINFER_PDL=0 no kernel waits inside its
+    launch) over 20 graph replays of `moe_decode_block` after the stacked GEMV, L2 flushed before each
+    replay, per routing pattern."""
+    from tools.profile_step import profile
 
     x = torch.randn(tokens, HIDDEN, device=DEVICE).to(BF16)
     natural = _fast_linear(x, weights["input_proj"])
@@ -90,16 +92,14 @@ def profile_launches(tokens: int, weights: dict[str, torch.Tensor]) -> None:
             )  # fmt: skip
 
         replay = graphed(block)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                flush.zero_()
-                replay()
-            torch.cuda.synchronize()
-        for event in prof.key_averages():
-            if event.device_type.name == "CUDA" and "elementwise" not in event.key:  # not the flush
-                us = event.self_device_time_total / max(event.count, 1)
-                print(f"T={tokens} {pattern:8s} {event.key[:40]:40s} {us:8.2f} us", flush=True)
+
+        def flushed_replay(replay: Callable[[], None] = replay) -> None:
+            flush.zero_()
+            replay()
+
+        for name, us in profile(flushed_replay, steps=20)["top"]:
+            if "elementwise" not in name:  # not the flush
+                print(f"T={tokens} {pattern:8s} {name[:40]:40s} {us:8.2f} us", flush=True)
 
 
 def main() -> None:
