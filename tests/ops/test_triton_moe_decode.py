@@ -61,11 +61,12 @@ class _Block:
         self.projected = F.linear(self.x, self.input_proj)
 
     def run(
-        self, kernels: ModuleType, top_k: int, gate_up_config: object = None, down_config: object = None
-    ) -> torch.Tensor:
+        self, kernels: ModuleType, top_k: int, gate_up_config: object = None, down_config: object = None,
+        early_down: bool | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         return kernels.moe_decode_block(
             self.x, self.projected, self.gate_up, self.down, self.shared_down, self.shared_gate, top_k,
-            gate_up_config=gate_up_config, down_config=down_config,
+            gate_up_config=gate_up_config, down_config=down_config, early_down=early_down,
         )  # fmt: skip
 
     def reference(self, top_k: int) -> torch.Tensor:
@@ -84,6 +85,13 @@ class _Block:
         shared = fused.SharedExpert(gate_up=self.input_proj[E:], down=self.shared_down, weight=shared_weight)
         config = config or fused.default_decode_config(self.x.shape[0] * top_k)
         return fused.fused_moe(self.x, self.gate_up, self.down, weights, ids, shared=shared, config=config)
+
+
+def _tie_all_logits(block: _Block) -> None:
+    """Every router logit zero, -0.0 in half of every odd token's (it must tie with +0.0): the top-k are
+    the lowest experts."""
+    block.projected[:, :E] = 0.0
+    block.projected[1::2, :E:2] = -0.0
 
 
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (1, 4), (3, 3), (5, 2)])
@@ -108,8 +116,7 @@ def test_routing_equals_moe_route_topk_exactly(
 
 def test_all_logits_tied_picks_the_lowest_experts(kernels: ModuleType) -> None:
     block = _Block(2, torch.Generator().manual_seed(1), exact=True)
-    block.projected[:, :E] = 0.0
-    block.projected[1, :E:2] = -0.0  # -0.0 ties with +0.0
+    _tie_all_logits(block)
 
     _, weights, ids, _ = kernels.routed_gate_up(block.x, block.projected, block.gate_up, block.shared_gate, 4)
 
@@ -135,6 +142,52 @@ def test_block_equals_the_two_kernel_path_exactly(
 
     # the same down tiles: the same summation order
     assert torch.equal(got, block.two_kernel_path(fused, routing, top_k, down_config))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "tied"), [(1, 8, False), (3, 3, True), (5, 2, False), (8, 4, True)]
+)
+@pytest.mark.parametrize("tiles", ["default", "small", "first_tiles_early"])
+def test_early_down_equals_the_two_launch_block_exactly(
+    kernels: ModuleType,
+    fused: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    tokens: int,
+    top_k: int,
+    tied: bool,
+    tiles: str,
+) -> None:
+    """The early down launch (ranking again from `projected`, down rows loaded before the PDL wait) gives
+    decode_down_combine's bits: exact inputs (tied logits) or all logits tied, whole or partly preloaded."""
+    block = _Block(tokens, torch.Generator().manual_seed(60 + tokens + top_k), exact=True)
+    if tied:
+        _tie_all_logits(block)
+    down_config = None
+    if tiles == "small":  # 2 experts per step, a partial last hidden block (48 = 32 + 16), I in 3 even steps
+        down_config = fused.FusedMoeDecodeConfig(down_block_h=32, down_block_i=8, down_experts=2)
+        monkeypatch.setattr(kernels, "_MAX_PRELOAD_BYTES", 1 << 30)  # every tile before the wait
+    if tiles == "first_tiles_early":  # I in 2 uneven steps; only group 0's first step before the wait
+        down_config = fused.FusedMoeDecodeConfig(down_block_h=32, down_block_i=16, down_experts=2)
+        monkeypatch.setattr(kernels, "_MAX_PRELOAD_BYTES", 0)
+
+    got = block.run(kernels, top_k, down_config=down_config, early_down=True)
+
+    assert torch.equal(got, block.run(kernels, top_k, down_config=down_config, early_down=False))
+
+
+@pytest.mark.parametrize(("tokens", "early"), [(1, True), (2, False)])
+def test_early_down_is_the_default_for_one_token(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, tokens: int, early: bool
+) -> None:
+    block = _Block(tokens, torch.Generator().manual_seed(70), exact=True)
+    calls: list[int] = []
+    early_down = kernels._early_down_combine
+    monkeypatch.setattr(kernels, "_early_down_combine", lambda *args: calls.append(1) or early_down(*args))
+
+    block.run(kernels, 8)
+    assert len(calls) == int(early)
+    block.run(kernels, 8, early_down=True)
+    assert len(calls) == int(early) + 1, "the keyword over the default"
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 7])
@@ -207,19 +260,24 @@ def real_layer() -> dict[str, torch.Tensor]:
     }
 
 
-def _real_block(layer: dict[str, torch.Tensor], x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+def _real_block(
+    layer: dict[str, torch.Tensor], x: torch.Tensor, projected: torch.Tensor, early_down: bool
+) -> torch.Tensor:
     from ninfer.ops.triton.moe_decode import moe_decode_block
 
     return moe_decode_block(
-        x, projected, layer["gate_up"], layer["down"], layer["shared_down"], layer["shared_gate"], REAL_K
-    )
+        x, projected, layer["gate_up"], layer["down"], layer["shared_down"], layer["shared_gate"], REAL_K,
+        early_down=early_down,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("early_down", [True, False])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
-def test_cuda_real_shapes_bf16(real_layer: dict[str, torch.Tensor], tokens: int) -> None:
-    """Against the reference block in bf16 and the routing kernel + fused_moe path it replaces."""
+def test_cuda_real_shapes_bf16(real_layer: dict[str, torch.Tensor], tokens: int, early_down: bool) -> None:
+    """Against the reference block in bf16, the routing kernel + fused_moe path it replaces and the other
+    down launch (the same bits)."""
     from ninfer.ops.triton.fused_moe import SharedExpert, fused_moe
     from ninfer.ops.triton.moe_decode import routed_gate_up
     from ninfer.ops.triton.moe_routing import moe_route_topk
@@ -229,7 +287,7 @@ def test_cuda_real_shapes_bf16(real_layer: dict[str, torch.Tensor], tokens: int)
     projected = F.linear(x, real_layer["input_proj"])
     logits, gate, up = projected.split([REAL_E, REAL_I, REAL_I], dim=-1)
 
-    got = _real_block(real_layer, x, projected)
+    got = _real_block(real_layer, x, projected, early_down)
 
     assert not got.isnan().any()
     expected = moe_block_from_projections(
@@ -251,23 +309,25 @@ def test_cuda_real_shapes_bf16(real_layer: dict[str, torch.Tensor], tokens: int)
     )
     old = fused_moe(x, real_layer["gate_up"], real_layer["down"], weights, ids, shared=shared)
     assert max_rel_error(got, old) < 5e-3
-    assert torch.equal(_real_block(real_layer, x, projected), got), "not deterministic"
+    assert torch.equal(_real_block(real_layer, x, projected, early_down), got), "not deterministic"
+    assert torch.equal(_real_block(real_layer, x, projected, not early_down), got), "early_down changed bits"
 
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_replays_with_fresh_inputs(real_layer: dict[str, torch.Tensor]) -> None:
+@pytest.mark.parametrize("early_down", [True, False])
+def test_cuda_graph_replays_with_fresh_inputs(real_layer: dict[str, torch.Tensor], early_down: bool) -> None:
     tokens = 8
     x = torch.zeros(tokens, REAL_H, device="cuda", dtype=torch.bfloat16)
     projected = torch.zeros(tokens, REAL_E + 2 * REAL_I, device="cuda", dtype=torch.bfloat16)
-    _real_block(real_layer, x, projected)  # compile outside the capture
+    _real_block(real_layer, x, projected, early_down)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _real_block(real_layer, x, projected)
+        out = _real_block(real_layer, x, projected, early_down)
     gen = torch.Generator(device="cuda").manual_seed(7)
     for _ in range(5):
         x.copy_(torch.randn(tokens, REAL_H, generator=gen, device="cuda"))
         projected.copy_(F.linear(x, real_layer["input_proj"]))
         graph.replay()
-        assert torch.equal(out, _real_block(real_layer, x, projected))
+        assert torch.equal(out, _real_block(real_layer, x, projected, early_down))

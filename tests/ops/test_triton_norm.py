@@ -145,6 +145,44 @@ def test_add_rms_norm_rounds_the_sum_like_torch(kernels: ModuleType) -> None:
     _assert_same_roundings(normed, reference.rms_norm(summed_ref, weight, EPS))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_add_rms_norm_partials_equals_reduce_then_add_rms_norm(
+    kernels: ModuleType, splits: int, rows: int
+) -> None:
+    """fp16 residual, fp32 slabs: the slab-order fp32 sum rounded to fp16, then the add and the norm, bit
+    for bit as `add_rms_norm` on that rounded sum; one slab is the projection itself, in fp16."""
+    gen = torch.Generator().manual_seed(splits * 10 + rows)
+    n = 40
+    residual = _randn(rows, n, gen=gen, scale=4.0).half()
+    weight = _randn(n, gen=gen, scale=0.5).half()
+    partials = _randn(splits, rows, n, gen=gen)
+    if splits == 1:
+        partials = partials.half()
+    reduced = partials[0].float().clone()
+    for slab in partials[1:]:
+        reduced += slab
+    want_normed, want_summed = kernels.add_rms_norm(reduced.half(), residual, weight, EPS)
+    out = torch.full_like(residual, float("nan"))
+
+    normed, summed = kernels.add_rms_norm_partials(partials, residual, weight, EPS, out=out)
+
+    assert normed.data_ptr() == out.data_ptr() and summed.dtype == torch.float16
+    assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
+
+
+def test_add_rms_norm_partials_rejects_bad_slabs(kernels: ModuleType) -> None:
+    residual, weight = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="partials must be"):
+        kernels.add_rms_norm_partials(torch.randn(2, 3, 8), residual, weight, EPS)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.add_rms_norm_partials(
+            torch.randn(2, 8, 2).transpose(1, 2).transpose(0, 1), residual, weight, EPS
+        )
+    with pytest.raises(ValueError, match="fp32"):
+        kernels.add_rms_norm_partials(torch.randn(2, 2, 8).half(), residual, weight, EPS)
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 16), (5, 3, 24)], ids=["one-token", "odd-tokens"])
 def test_gated_rms_norm_matches_reference(kernels: ModuleType, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(sum(shape) + 1)

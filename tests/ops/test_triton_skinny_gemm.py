@@ -100,6 +100,36 @@ def test_skinny_linear_default_config_and_out_row_stride(kernels: ModuleType) ->
     assert wide_out[:, :4].isnan().all() and wide_out[:, 24:].isnan().all(), "only out's columns written"
 
 
+@pytest.mark.parametrize("config_name", ["fma", "fma-split", "fma-split-uneven", "dot-split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_partials_sum_to_the_reduced_projection_exactly(
+    kernels: ModuleType, config_name: str, dtype: torch.dtype
+) -> None:
+    """`skinny_linear_partials`: fp32 slabs whose slab-order sum, rounded, is skinny_linear's output bit
+    for bit (what a consumer that sums them must reproduce); an unsplit config gives the output itself."""
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(split_k * 10 + block_k)
+    x = torch.randn(3, 40, generator=gen).to(dtype)
+    w = torch.randn(33, 40, generator=gen).to(dtype)
+
+    partials = kernels.skinny_linear_partials(x, w, config=config)
+    want = kernels.skinny_linear(x, w, config=config)
+
+    if split_k == 1:
+        assert partials.shape == (1, 3, 33) and partials.dtype == dtype
+        assert torch.equal(partials[0], want)
+        return
+    assert partials.shape == (split_k, 3, 33) and partials.dtype == torch.float32
+    total = partials[0].clone()
+    for slab in partials[1:]:
+        total += slab
+    assert torch.equal(total.to(dtype), want)
+    torch.testing.assert_close(want.float(), F.linear(x.float(), w.float()), rtol=2e-3, atol=2e-3)
+
+
 def test_skinny_linear_rejects_bad_inputs(kernels: ModuleType) -> None:
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match="at most 16 rows"):
@@ -318,6 +348,42 @@ def test_skinny_linear_cuda_other_dtypes(dtype: torch.dtype, use_dot: bool) -> N
     assert got.dtype == dtype and not got.isnan().any()
     bound = 1e-4 if dtype == torch.float32 else 2e-3
     assert max_rel_error(got, F.linear(x.double(), w.double())) <= bound
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("name", "n", "k"),
+    [("35b-attn-o", 2048, 4096), ("27b-mlp-down", 5120, 17408), ("odd", 1031, 999)],
+    ids=["35b-attn-o", "27b-mlp-down", "odd"],
+)
+def test_partials_into_add_rms_norm_cuda_equal_the_reduce(name: str, n: int, k: int, rows: int) -> None:
+    """The decode path of `linear_add_rms_norm` at the split-K shapes: the norm kernel summing the GEMV's
+    partials gives the same bits as the GEMV's reduce launch followed by `add_rms_norm` (outputs
+    poisoned first); the odd shape runs a split config that no block divides."""
+    from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_partials
+    from ninfer.ops.triton.skinny_gemm import SkinnyConfig, skinny_linear, skinny_linear_partials
+
+    config = None
+    if name == "odd":
+        config = SkinnyConfig(block_n=64, block_k=128, split_k=3, num_stages=3, use_dot=True)
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+    residual = torch.randn(rows, n, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    poisoned = [torch.full_like(residual, float("nan")) for _ in range(2)]
+
+    partials = skinny_linear_partials(x, w, config=config)
+    normed, summed = add_rms_norm_partials(
+        partials, residual, weight, 1e-6, out=poisoned[0], summed_out=poisoned[1]
+    )
+    want_normed, want_summed = add_rms_norm(skinny_linear(x, w, config=config), residual, weight, 1e-6)
+
+    assert partials.shape[0] > 1 or rows == 1
+    assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
+    assert max_rel_error(summed, F.linear(x.float(), w.float()) + residual.float()) <= BF16_BOUND
 
 
 @pytest.mark.gpu

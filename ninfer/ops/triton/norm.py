@@ -4,6 +4,9 @@
 - `add_rms_norm(x, residual, w)`: summed = x + residual rounded to x's dtype (as the torch add), and
   normed = rms_norm(summed, w): the decoder layer's `x = x + mixed; rms_norm(x)` with one read of each
   input and one write of each output.
+- `add_rms_norm_partials(partials, residual, w)`: the same with x given as a split-K GEMV's unreduced
+  fp32 slabs (`skinny_gemm.skinny_linear_partials`), summed here in the reduce kernel's order and rounded
+  to the residual's dtype: the projection's reduce launch and its dependent wait are saved, bit for bit.
 - `gated_rms_norm(x, w, z)`: the GDN output norm, ((x / rms(x)) cast, times the plain w in the model
   dtype) times silu(z) in fp32, cast. x is first cast to z's dtype, which fuses the `o.to(z.dtype)` of
   the model's `gdn_gated_norm` (x may be the fp32 recurrence output); the result is in z's dtype.
@@ -25,7 +28,7 @@ import triton.language as tl
 
 from ninfer.ops.triton import pdl
 
-__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
+__all__ = ["rms_norm", "add_rms_norm", "add_rms_norm_partials", "gated_rms_norm"]
 
 _TILE_ELEMENTS = 4096  # elements per program for short rows: enough in flight per SM to stream
 _TARGET_PROGRAMS = 132  # H200 SM count: short-row batches are split at least this wide when they can be
@@ -52,11 +55,13 @@ def _rms_norm_kernel(
     x_inner,
     x_stride_outer,
     x_stride_inner,
+    x_stride_split,
     r_inner,
     r_stride_outer,
     r_stride_inner,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -72,6 +77,12 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r_tile = _row_offsets(rows, r_inner, r_stride_outer, r_stride_inner)[:, None] + cols[None, :]
         residual = tl.load(residual_ptr + r_tile, mask=mask, other=0.0)
+        if SPLITS > 1:
+            # x is split-K partial slabs: the skinny GEMV's reduce, in its order, rounded to its dtype
+            x = x.to(tl.float32)
+            for split in tl.static_range(1, SPLITS):
+                x += tl.load(x_ptr + split * x_stride_split + x_tile, mask=mask, other=0.0)
+            x = x.to(residual.dtype)
         # the torch add in x's dtype: exact fp32 sum of the two inputs, one rounding to x's dtype
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
         tl.store(summed_ptr + out_tile, x, mask=mask)
@@ -174,7 +185,10 @@ def _rms_norm_launch(
     eps: float,
     out: torch.Tensor,
     summed: torch.Tensor | None,
+    splits: int = 1,
+    split_stride: int = 0,
 ) -> None:
+    """splits > 1: x is the first of that many slabs, split_stride elements apart, summed into x."""
     n = x.shape[-1]
     _check_weight(weight, n)
     num_rows = x.numel() // n if n else 0
@@ -186,10 +200,13 @@ def _rms_norm_launch(
     else:
         r_rows, r_inner, r_stride_outer, r_stride_inner = _as_rows(residual)
     rows_per_program, block_n, grid, num_warps = _launch(num_rows, n)
+    if splits > 1:  # warps for every slab's loads (35B-A3B's four: 8 warps, 28 us per B = 8 step)
+        num_warps = min(8, max(num_warps, rows_per_program * block_n * splits // 512))
     _rms_norm_kernel[(grid,)](
         x_rows, r_rows, weight, out, out if summed is None else summed,
-        num_rows, n, x_inner, x_stride_outer, x_stride_inner, r_inner, r_stride_outer, r_stride_inner, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK_N=block_n,
+        num_rows, n, x_inner, x_stride_outer, x_stride_inner, split_stride, r_inner, r_stride_outer,
+        r_stride_inner, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits, ROWS=rows_per_program,
+        BLOCK_N=block_n,
         num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
@@ -230,6 +247,34 @@ def add_rms_norm(
     normed = _output(x, x.dtype, out, "out")
     summed = _output(x, x.dtype, summed_out, "summed_out")
     _rms_norm_launch(x, residual, weight, eps, normed, summed)
+    return normed, summed
+
+
+def add_rms_norm_partials(
+    partials: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    summed_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(x, residual, ...)` with x given unreduced: partials [S, *residual.shape] contiguous,
+    as `skinny_gemm.skinny_linear_partials` returns them, and x their slab-order fp32 sum (slab 0 first)
+    rounded to residual's dtype, which is what the GEMV's own reduce writes. S == 1: x = partials[0], in
+    residual's dtype. Results and `out` / `summed_out` as in `add_rms_norm` (residual's shape and dtype)."""
+    if partials.dim() != residual.dim() + 1 or partials.shape[1:] != residual.shape:
+        raise ValueError(f"partials must be [S, *{tuple(residual.shape)}], got {tuple(partials.shape)}")
+    if not partials.is_contiguous():
+        raise ValueError("partials must be contiguous slabs")
+    splits = partials.shape[0]
+    if splits == 1:
+        return add_rms_norm(partials[0], residual, weight, eps, out=out, summed_out=summed_out)
+    if partials.dtype != torch.float32:
+        raise ValueError(f"split partials must be fp32, got {partials.dtype}")
+    normed = _output(residual, residual.dtype, out, "out")
+    summed = _output(residual, residual.dtype, summed_out, "summed_out")
+    _rms_norm_launch(partials[0], residual, weight, eps, normed, summed, splits, partials.stride(0))
     return normed, summed
 
 

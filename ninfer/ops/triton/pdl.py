@@ -8,7 +8,10 @@ Triton kernel here is launched with the programmatic-serialisation attribute and
 it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``: nothing of this
 kernel reads or writes memory before that), then lets the next kernel launch (``griddepcontrol.
 launch_dependents``), whose blocks are then scheduled while this one runs and wait in their own `enter`.
-What overlaps is only launch latency, never memory traffic, so results are unchanged. Kernels of other
+What overlaps is only launch latency, never memory traffic, so results are unchanged. A kernel may instead
+call `wait` and `launch_dependents` itself and do work before its wait: that code may read only memory
+written two or more launches back (complete and flushed before the previous kernel passed its own wait,
+which comes before it let this one launch), e.g. `moe_decode`'s early down kernel. Kernels of other
 libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the
 programmatic edges (CUDA 12.3+).
 """
@@ -20,7 +23,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "enter"]
+__all__ = ["ENABLED", "LAUNCH", "enter", "launch_dependents", "wait"]
 
 
 def _enabled() -> bool:
@@ -42,8 +45,21 @@ LAUNCH: dict[str, bool] = {"launch_pdl": True} if ENABLED else {}  # extra launc
 
 
 @triton.jit
-def enter(USE_PDL: tl.constexpr):
-    """A kernel's first statement: wait for the previous kernel, then let the next one launch."""
+def wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel to complete and flush its writes (a no-op without PDL)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel launch (after `wait`: the next kernel's reads before its own wait rely on it)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def enter(USE_PDL: tl.constexpr):
+    """A kernel's first statement: wait for the previous kernel, then let the next one launch."""
+    wait(USE_PDL)
+    launch_dependents(USE_PDL)

@@ -42,7 +42,15 @@ import triton.language as tl
 
 from ninfer.ops.triton import pdl
 
-__all__ = ["MAX_ROWS", "ConvStep", "SkinnyConfig", "default_config", "prefers_skinny", "skinny_linear"]
+__all__ = [
+    "MAX_ROWS",
+    "ConvStep",
+    "SkinnyConfig",
+    "default_config",
+    "prefers_skinny",
+    "skinny_linear",
+    "skinny_linear_partials",
+]
 
 MAX_ROWS = 16  # rows the dot kernel's single padded MMA tile covers
 _DOT_ROWS = 16
@@ -382,8 +390,8 @@ def _split_k_reduce_kernel(
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):  # fixed order: the sum is the same on every run
+    total = tl.load(partial_ptr + row * N + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):  # fixed order from slab 0: the same sum on every run
         total += tl.load(partial_ptr + split * stride_os + row * N + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -433,6 +441,37 @@ def skinny_linear(
     ``conv`` applies that GDN conv step to the first C columns (see `ConvStep`); it needs the whole K in one
     program, so a split-K config is run unsplit.
     """
+    x, out, config = _prepare(x, w, out, config, conv)
+    if out.numel() == 0 or x.shape[1] == 0:
+        return out
+    partials = _project(x, w, out, config, conv)
+    if partials is not out:
+        _reduce_partials(partials, out)
+    return out
+
+
+def skinny_linear_partials(
+    x: torch.Tensor, w: torch.Tensor, *, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """`skinny_linear(x, w)` without its split-K reduce launch, for a consumer that sums the slabs itself
+    -> [S, M, N]: with S > 1 fp32 partial products over S contiguous K ranges, whose sum in slab order
+    (slab 0 first, in fp32) rounded to x's dtype is exactly `skinny_linear(x, w)`; with S == 1 (an unsplit
+    config) that result itself, in x's dtype. Saves a dependent launch where the consumer reads the whole
+    output row anyway (`norm.add_rms_norm_partials`)."""
+    x, out, config = _prepare(x, w, None, config, None)
+    if out.numel() == 0 or x.shape[1] == 0:
+        return out.unsqueeze(0)
+    return _project(x, w, out, config, None).view(-1, *out.shape)
+
+
+def _prepare(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    conv: ConvStep | None,
+) -> tuple[torch.Tensor, torch.Tensor, SkinnyConfig]:
+    """The checked arguments (x made unit-stride along K), the output buffer and the launch's config."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K], got x {tuple(x.shape)} w {tuple(w.shape)}")
     m, k = x.shape
@@ -449,18 +488,25 @@ def skinny_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a unit stride along N")
-    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        if conv is not None:
-            raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
-        return out.zero_()
+    _conv_launch_args(conv, x, m, n)  # its checks, before anything is launched
+    if k == 0 and conv is not None and m and n:
+        raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
+    if m and n and k == 0:
+        out.zero_()
     config = config or default_config(m, n, k, _sm_count(x.device))
     config.check()
     if conv is not None and config.split_k > 1:
         config = dataclasses.replace(config, split_k=1)
+    return x, out, config
 
+
+def _project(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, conv: ConvStep | None
+) -> torch.Tensor:
+    """Launch the GEMV (M, N, K >= 1) -> out, or its fp32 partial slabs [S, M, N] when the config splits."""
+    m, k = x.shape
+    n = w.shape[0]
+    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
     # K ranges are whole steps; splits that would start past K are dropped (the count stays static)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -486,18 +532,14 @@ def skinny_linear(
             UNROLL=config.unroll, **conv_options, num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
-    if split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            target,
-            out,
-            n,
-            out.stride(0),
-            stride_os,
-            SPLIT_K=split_k,
-            BLOCK=block,
-            num_warps=4,
-            USE_PDL=pdl.ENABLED,
-            **pdl.LAUNCH,
-        )
-    return out
+    return target
+
+
+def _reduce_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] <- the slab-order fp32 sum of partials [S, M, N], rounded to out's dtype."""
+    split_k, m, n = partials.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+        partials, out, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
+    )  # fmt: skip

@@ -517,26 +517,41 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
     return fused_moe(x, w.gate_up, w.down, weights, expert_ids, shared=shared, config=config)
 
 
-def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
-    """Decode projections stream the weight with our GEMV kernel where it reads it faster than cuBLAS
-    on the H200 (every one-row shape, some 2..8-row ones: `skinny_gemm.prefers_skinny`); the rest stay
-    cuBLAS."""
-    if x.dim() == 2 and x.dtype == w.dtype and w.stride(-1) == 1:
-        from ninfer.ops.triton.skinny_gemm import prefers_skinny, skinny_linear
+def _takes_skinny(x: Tensor, w: Tensor) -> bool:
+    """Whether a decode projection streams the weight with our GEMV kernel: where it reads it faster than
+    cuBLAS on the H200 (every one-row shape, some 2..8-row ones: `skinny_gemm.prefers_skinny`)."""
+    if x.dim() != 2 or x.dtype != w.dtype or w.stride(-1) != 1:
+        return False
+    from ninfer.ops.triton.skinny_gemm import prefers_skinny
 
-        if prefers_skinny(x.shape[0], w.shape[0], w.shape[1]):
-            return skinny_linear(x, w)
+    return prefers_skinny(x.shape[0], w.shape[0], w.shape[1])
+
+
+def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
+    """Our GEMV where `_takes_skinny`, cuBLAS otherwise."""
+    if _takes_skinny(x, w):
+        from ninfer.ops.triton.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, w)
     return F.linear(x, w)
 
 
 def _fast_linear_add_rms_norm(
     act: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """The projection, then the fused add + norm: two launches. The one-launch form for one row
-    (the GEMV's last program doing the add and the norm; `ops/triton/gemv_norm.py` in commit 27fd6a4)
-    measured 0.3 ms slower per 27B decode step than these two under programmatic dependent launch."""
-    from ninfer.ops.triton.norm import add_rms_norm
+    """The projection, then the fused add + norm: two launches. A split-K GEMV (35B-A3B's eight-row
+    attn_o / gdn_out, 27B's eight-row mlp_down) leaves its fp32 partials to the norm kernel, which sums
+    them in the reduce launch's order: the same bits, one dependent launch fewer (H200 graph replay, one
+    process, `tools.ab_step`, 2026-11-30: 27B B = 8 15.184 -> 15.092 ms, 35B-A3B 5.982 -> 5.954). The
+    one-launch form for one row (the GEMV's last program doing the add and the norm; `ops/triton/
+    gemv_norm.py` in commit 27fd6a4) measured 0.3 ms slower per 27B decode step than two launches under
+    programmatic dependent launch."""
+    from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_partials
 
+    if _takes_skinny(act, w):
+        from ninfer.ops.triton.skinny_gemm import skinny_linear_partials
+
+        return add_rms_norm_partials(skinny_linear_partials(act, w), residual, weight, eps)
     return add_rms_norm(_fast_linear(act, w), residual, weight, eps)
 
 
