@@ -441,10 +441,10 @@ def skinny_linear(
     ``conv`` applies that GDN conv step to the first C columns (see `ConvStep`); it needs the whole K in one
     program, so a split-K config is run unsplit.
     """
-    x, out, config = _prepare(x, w, out, config, conv)
+    x, out, config, conv_launch = _prepare(x, w, out, config, conv)
     if out.numel() == 0 or x.shape[1] == 0:
         return out
-    partials = _project(x, w, out, config, conv)
+    partials = _project(x, w, out, config, conv_launch)
     if partials is not out:
         _reduce_partials(partials, out)
     return out
@@ -458,10 +458,10 @@ def skinny_linear_partials(
     (slab 0 first, in fp32) rounded to x's dtype is exactly `skinny_linear(x, w)`; with S == 1 (an unsplit
     config) that result itself, in x's dtype. Saves a dependent launch where the consumer reads the whole
     output row anyway (`norm.add_rms_norm_partials`)."""
-    x, out, config = _prepare(x, w, None, config, None)
+    x, out, config, conv_launch = _prepare(x, w, None, config, None)
     if out.numel() == 0 or x.shape[1] == 0:
         return out.unsqueeze(0)
-    return _project(x, w, out, config, None).view(-1, *out.shape)
+    return _project(x, w, out, config, conv_launch).view(-1, *out.shape)
 
 
 def _prepare(
@@ -470,8 +470,9 @@ def _prepare(
     out: torch.Tensor | None,
     config: SkinnyConfig | None,
     conv: ConvStep | None,
-) -> tuple[torch.Tensor, torch.Tensor, SkinnyConfig]:
-    """The checked arguments (x made unit-stride along K), the output buffer and the launch's config."""
+) -> tuple[torch.Tensor, torch.Tensor, SkinnyConfig, tuple[tuple, int]]:
+    """The checked arguments (x made unit-stride along K), the output buffer, the launch's config and the
+    kernels' conv arguments (`_conv_launch_args`)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K], got x {tuple(x.shape)} w {tuple(w.shape)}")
     m, k = x.shape
@@ -488,7 +489,7 @@ def _prepare(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a unit stride along N")
-    _conv_launch_args(conv, x, m, n)  # its checks, before anything is launched
+    conv_launch = _conv_launch_args(conv, x, m, n)  # its checks too, before anything is launched
     if k == 0 and conv is not None and m and n:
         raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
     if m and n and k == 0:
@@ -497,16 +498,16 @@ def _prepare(
     config.check()
     if conv is not None and config.split_k > 1:
         config = dataclasses.replace(config, split_k=1)
-    return x, out, config
+    return x, out, config, conv_launch
 
 
 def _project(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, conv: ConvStep | None
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, conv_launch: tuple[tuple, int]
 ) -> torch.Tensor:
     """Launch the GEMV (M, N, K >= 1) -> out, or its fp32 partial slabs [S, M, N] when the config splits."""
     m, k = x.shape
     n = w.shape[0]
-    conv_args, conv_kernel = _conv_launch_args(conv, x, m, n)
+    conv_args, conv_kernel = conv_launch
     # K ranges are whole steps; splits that would start past K are dropped (the count stays static)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -517,7 +518,7 @@ def _project(
         target, stride_om, stride_os = out, out.stride(0), 0
     grid = (triton.cdiv(n, config.block_n), split_k)
     args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os, *conv_args)
-    conv_options = {"HAS_CONV": conv is not None, "CONV_K": conv_kernel,
+    conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # K = 1: no conv step
                     "CONV_BLOCK": triton.next_power_of_2(conv_kernel)}  # fmt: skip
     if config.use_dot:
         _skinny_dot_kernel[grid](
