@@ -130,6 +130,30 @@ def test_partials_sum_to_the_reduced_projection_exactly(
     torch.testing.assert_close(want.float(), F.linear(x.float(), w.float()), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("config_name", ["fma", "fma-unroll", "fma-split-uneven"])
+@pytest.mark.parametrize("k", [16, 40])
+def test_early_first_tile_gives_the_same_bits(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, config_name: str, k: int
+) -> None:
+    """One row in one wave: the first weight tile loaded before the PDL wait and its step peeled off the
+    loop adds the same products in the same order as the plain loop (bit-equal), single-step splits and
+    unrolled steps included."""
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(k + unroll)
+    x = torch.randn(1, k, generator=gen).half()
+    w = torch.randn(33, k, generator=gen).half()
+
+    early = kernels.skinny_linear(x, w, config=config)
+    monkeypatch.setattr(kernels, "_EARLY_TILE_PROGRAMS_PER_SM", 0)
+    plain = kernels.skinny_linear(x, w, config=config)
+
+    assert torch.equal(early, plain)
+    torch.testing.assert_close(early.float(), F.linear(x.float(), w.float()), rtol=2e-3, atol=2e-3)
+
+
 def test_skinny_linear_rejects_bad_inputs(kernels: ModuleType) -> None:
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match="at most 16 rows"):

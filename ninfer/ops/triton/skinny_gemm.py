@@ -99,9 +99,16 @@ class SkinnyConfig:
 # use the heuristic in `default_config`.
 # Bucket 8 lists only the shapes where the kernel beat cuBLAS by >= 3 % (`prefers_skinny`); for 27B
 # gdn_in x1.03, mlp_down x1.06, lm_head x1.10, while attn_qkv, attn_o, gdn_out and mlp_gate_up were
-# 0.95-1.0x there and stay cuBLAS. Loading the first weight tile before the PDL wait (into registers or
-# as an L2 prefetch) measured slower on the H200 (27B B = 1 replay 13.43 -> 13.60 ms with the prefetch,
-# 14.9 ms bench with the register tile), so every load waits.
+# 0.95-1.0x there and stay cuBLAS. Loading every program's first weight tile before the PDL wait (into
+# registers or as an L2 prefetch) measured slower on the H200 for the multi-wave 27B launches (27B B = 1
+# replay 13.43 -> 13.60 ms with the prefetch, 14.9 ms bench with the register tile); only one-wave launches
+# do it (`_EARLY_TILE_PROGRAMS_PER_SM`).
+# A one-row launch of at most this many programs per SM (the one-row tiles' 4-warp programs fit 8 to an SM:
+# one wave) loads each program's first weight tile before its PDL wait: weights are never written, and in one
+# wave no program holding a tile keeps a later program off the SM. H200 35B-A3B B = 1 graph replay (its
+# attn_o / gdn_out and stacked MoE input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three
+# rounds).
+_EARLY_TILE_PROGRAMS_PER_SM = 8
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
 _DOT = {"num_warps": 4, "use_dot": True}
 _ONE_ROW = SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA)  # the chain's one-row pick
@@ -255,15 +262,24 @@ def _skinny_fma_kernel(
     conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, EARLY_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if EARLY_TILE:  # weights are never written: the first tile may load before the PDL wait
+        first_mask = (k_begin + offs_k) < k_end
+        w_first = tl.load(
+            w_rows + (k_begin + offs_k)[None, :], mask=mask_n[:, None] & first_mask[None, :], other=0.0,
+            eviction_policy="evict_first",
+        )  # fmt: skip
+    pdl.enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     if HAS_CONV:
@@ -271,14 +287,16 @@ def _skinny_fma_kernel(
             conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
             conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
         )  # fmt: skip
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     out_base = out_ptr + pid_k * stride_os  # this split's fp32 partial slab (stride_os = 0 without split)
     if BLOCK_M == 1:
         # one row: a 2-D accumulator, x broadcast along the weight rows
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K * UNROLL):
+        k_start = k_begin
+        if EARLY_TILE:  # the first step, peeled: the same additions in the same order
+            xs = tl.load(x_ptr + k_begin + offs_k, mask=first_mask, other=0.0)
+            acc += w_first.to(tl.float32) * xs.to(tl.float32)[None, :]
+            k_start = k_begin + BLOCK_K
+        for k0 in range(k_start, k_end, BLOCK_K * UNROLL):
             for step in tl.static_range(UNROLL):
                 ks = k0 + step * BLOCK_K + offs_k
                 mask_k = ks < k_end
@@ -528,9 +546,16 @@ def _project(
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
+        # one wave of one-row programs: each loads its first weight tile before its PDL wait
+        early = (
+            m == 1
+            and conv_kernel == 1
+            and grid[0] * grid[1] <= _EARLY_TILE_PROGRAMS_PER_SM * _sm_count(x.device)
+        )
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            UNROLL=config.unroll, **conv_options, num_warps=config.num_warps, num_stages=config.num_stages,
+            UNROLL=config.unroll, **conv_options, EARLY_TILE=early,
+            num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     return target
