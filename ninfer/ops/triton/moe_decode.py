@@ -13,7 +13,7 @@ Then:
      in its first column block, writes the token's routing (renormalised top-k weights, rounded as the
      reference rounds them, and the expert ids) and the shared expert's weight sigmoid(x . gate).
 2. `fused_moe.decode_down_combine`: the experts' down rows and the weighted fp32 sum, the shared expert's
-   term last, rounded once. For one token (T*K <= EARLY_DOWN_MAX_PAIRS), `_early_down_combine_kernel`
+   term last, rounded once. For T*K <= EARLY_DOWN_MAX_PAIRS (one token at top-8), `_early_down_combine_kernel`
    instead: the same arithmetic and bits, but it ranks its token's experts again from `projected` (written
    two launches back, so readable before its PDL wait) and issues its down-row loads before the wait, so
    that they overlap launch 1's tail. H200, 35B-A3B graph replay in one process (`tools.ab_step`,

@@ -6,7 +6,9 @@
   input and one write of each output.
 - `add_rms_norm_partials(partials, residual, w)`: the same with x given as a split-K GEMV's unreduced
   fp32 slabs (`skinny_gemm.skinny_linear_partials`), summed here in the reduce kernel's order and rounded
-  to the residual's dtype: the projection's reduce launch and its dependent wait are saved, bit for bit.
+  to the residual's dtype: the projection's reduce launch and its dependent wait are saved. summed is bit
+  for bit the reduce + `add_rms_norm` result; normed up to its fp32 sum of squares, whose order follows
+  the launch's warps (more here, for the slabs' loads).
 - `gated_rms_norm(x, w, z)`: the GDN output norm, ((x / rms(x)) cast, times the plain w in the model
   dtype) times silu(z) in fp32, cast. x is first cast to z's dtype, which fuses the `o.to(z.dtype)` of
   the model's `gdn_gated_norm` (x may be the fp32 recurrence output); the result is in z's dtype.
@@ -261,7 +263,8 @@ def add_rms_norm_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm(x, residual, ...)` with x given unreduced: partials [S, *residual.shape] contiguous,
     as `skinny_gemm.skinny_linear_partials` returns them, and x their slab-order fp32 sum (slab 0 first)
-    rounded to residual's dtype, which is what the GEMV's own reduce writes. S == 1: x = partials[0], in
+    rounded to residual's dtype, which is what the GEMV's own reduce writes (so summed is bit-equal to the
+    reduce + `add_rms_norm`; normed reduces its squares with more warps here). S == 1: x = partials[0], in
     residual's dtype. Results and `out` / `summed_out` as in `add_rms_norm` (residual's shape and dtype)."""
     if partials.dim() != residual.dim() + 1 or partials.shape[1:] != residual.shape:
         raise ValueError(f"partials must be [S, *{tuple(residual.shape)}], got {tuple(partials.shape)}")

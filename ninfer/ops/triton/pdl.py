@@ -5,13 +5,13 @@ off a 35B-A3B one (2.92 -> 2.65 ms).
 A decode step is hundreds of small kernels in a row (27B at B = 1: 688 launches for 13.7 ms), and each one
 pays the launch and block-scheduling latency after the previous kernel has fully drained. With PDL every
 Triton kernel here is launched with the programmatic-serialisation attribute and starts with `enter`:
-it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``: nothing of this
-kernel reads or writes memory before that), then lets the next kernel launch (``griddepcontrol.
-launch_dependents``), whose blocks are then scheduled while this one runs and wait in their own `enter`.
-What overlaps is only launch latency, never memory traffic, so results are unchanged. A kernel may instead
-call `wait` and `launch_dependents` itself and do work before its wait: that code may read only memory
-written two or more launches back (complete and flushed before the previous kernel passed its own wait,
-which comes before it let this one launch), e.g. `moe_decode`'s early down kernel. Kernels of other
+it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``), then lets the
+next kernel launch (``griddepcontrol.launch_dependents``), whose blocks are then scheduled while this
+one runs and wait in their own `enter`. Code before the wait runs while the previous kernel still does,
+so it may read only memory no earlier kernel can still be writing, and write nothing: static weights
+(`skinny_gemm`'s early first tile) or data written two or more launches back (complete and flushed before
+the previous kernel passed its own wait, which comes before it let this one launch; `moe_decode`'s early
+down kernel, which calls `wait` and `launch_dependents` itself). Results are unchanged. Kernels of other
 libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the
 programmatic edges (CUDA 12.3+).
 """

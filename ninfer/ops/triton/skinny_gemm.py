@@ -102,13 +102,13 @@ class SkinnyConfig:
 # 0.95-1.0x there and stay cuBLAS. Loading every program's first weight tile before the PDL wait (into
 # registers or as an L2 prefetch) measured slower on the H200 for the multi-wave 27B launches (27B B = 1
 # replay 13.43 -> 13.60 ms with the prefetch, 14.9 ms bench with the register tile); only one-wave launches
-# do it (`_EARLY_TILE_PROGRAMS_PER_SM`).
-# A one-row launch of at most this many programs per SM (the one-row tiles' 4-warp programs fit 8 to an SM:
-# one wave) loads each program's first weight tile before its PDL wait: weights are never written, and in one
-# wave no program holding a tile keeps a later program off the SM. H200 35B-A3B B = 1 graph replay (its
-# attn_o / gdn_out and stacked MoE input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three
-# rounds).
-_EARLY_TILE_PROGRAMS_PER_SM = 8
+# do it (`_EARLY_TILE_WARPS_PER_SM`).
+# A one-row launch of static weights (`static_weight=True`: bound weights, never written) whose programs hold
+# at most this many warps per SM (half of Hopper's 64: the one-row tiles' 4-warp programs, 8 to an SM, one
+# wave) loads each program's first weight tile before its PDL wait: in one wave no program holding a tile
+# keeps a later program off the SM. H200 35B-A3B B = 1 graph replay (its attn_o / gdn_out and stacked MoE
+# input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three rounds).
+_EARLY_TILE_WARPS_PER_SM = 32
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
 _DOT = {"num_warps": 4, "use_dot": True}
 _ONE_ROW = SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA)  # the chain's one-row pick
@@ -273,7 +273,7 @@ def _skinny_fma_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if EARLY_TILE:  # weights are never written: the first tile may load before the PDL wait
+    if EARLY_TILE:  # static weights, one row (the host's rule): the first tile may load before the PDL wait
         first_mask = (k_begin + offs_k) < k_end
         w_first = tl.load(
             w_rows + (k_begin + offs_k)[None, :], mask=mask_n[:, None] & first_mask[None, :], other=0.0,
@@ -450,6 +450,7 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     conv: ConvStep | None = None,
+    static_weight: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for x [M, K] with M <= 16 rows -> [M, N] in x's dtype, fp32 accumulation.
 
@@ -457,19 +458,20 @@ def skinny_linear(
     stacked buffer is fine); x may have any row stride (a column slice is fine). ``out`` may supply the
     [M, N] result buffer (x's dtype, unit stride along N). ``config`` overrides `default_config(M, N, K)`.
     ``conv`` applies that GDN conv step to the first C columns (see `ConvStep`); it needs the whole K in one
-    program, so a split-K config is run unsplit.
+    program, so a split-K config is run unsplit. ``static_weight``: w is never written (a bound weight, not
+    the output of an earlier kernel), so a one-wave launch may read it before its PDL wait.
     """
     x, out, config, conv_launch = _prepare(x, w, out, config, conv)
     if out.numel() == 0 or x.shape[1] == 0:
         return out
-    partials = _project(x, w, out, config, conv_launch)
+    partials = _project(x, w, out, config, conv_launch, static_weight)
     if partials is not out:
         _reduce_partials(partials, out)
     return out
 
 
 def skinny_linear_partials(
-    x: torch.Tensor, w: torch.Tensor, *, config: SkinnyConfig | None = None
+    x: torch.Tensor, w: torch.Tensor, *, config: SkinnyConfig | None = None, static_weight: bool = False
 ) -> torch.Tensor:
     """`skinny_linear(x, w)` without its split-K reduce launch, for a consumer that sums the slabs itself
     -> [S, M, N]: with S > 1 fp32 partial products over S contiguous K ranges, whose sum in slab order
@@ -479,7 +481,7 @@ def skinny_linear_partials(
     x, out, config, conv_launch = _prepare(x, w, None, config, None)
     if out.numel() == 0 or x.shape[1] == 0:
         return out.unsqueeze(0)
-    return _project(x, w, out, config, conv_launch).view(-1, *out.shape)
+    return _project(x, w, out, config, conv_launch, static_weight).view(-1, *out.shape)
 
 
 def _prepare(
@@ -510,8 +512,8 @@ def _prepare(
     conv_launch = _conv_launch_args(conv, x, m, n)  # its checks too, before anything is launched
     if k == 0 and conv is not None and m and n:
         raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
-    if m and n and k == 0:
-        out.zero_()
+    if m == 0 or n == 0 or k == 0:  # nothing to launch (the shape heuristic would divide by N)
+        return x, out.zero_(), config or SkinnyConfig(), conv_launch
     config = config or default_config(m, n, k, _sm_count(x.device))
     config.check()
     if conv is not None and config.split_k > 1:
@@ -520,7 +522,12 @@ def _prepare(
 
 
 def _project(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, conv_launch: tuple[tuple, int]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    config: SkinnyConfig,
+    conv_launch: tuple[tuple, int],
+    static_weight: bool,
 ) -> torch.Tensor:
     """Launch the GEMV (M, N, K >= 1) -> out, or its fp32 partial slabs [S, M, N] when the config splits."""
     m, k = x.shape
@@ -536,7 +543,7 @@ def _project(
         target, stride_om, stride_os = out, out.stride(0), 0
     grid = (triton.cdiv(n, config.block_n), split_k)
     args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os, *conv_args)
-    conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # K = 1: no conv step
+    conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # conv width 1: no conv step
                     "CONV_BLOCK": triton.next_power_of_2(conv_kernel)}  # fmt: skip
     if config.use_dot:
         _skinny_dot_kernel[grid](
@@ -548,9 +555,10 @@ def _project(
     else:
         # one wave of one-row programs: each loads its first weight tile before its PDL wait
         early = (
-            m == 1
+            static_weight
+            and m == 1
             and conv_kernel == 1
-            and grid[0] * grid[1] <= _EARLY_TILE_PROGRAMS_PER_SM * _sm_count(x.device)
+            and grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
         )
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,

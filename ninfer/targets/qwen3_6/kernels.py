@@ -506,8 +506,12 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
         router, shared_gate_up = w.input_proj[:num_experts], w.input_proj[num_experts:]
     else:
         router, shared_gate_up = w.router.to(x.dtype), torch.cat([w.shared_gate_proj, w.shared_up_proj])
+    bound_router = w.input_proj is not None or w.router.dtype == x.dtype  # else a cast made just before
     weights, expert_ids, shared_weight = moe_route_topk(
-        _fast_linear(x, router), top_k, x=x, shared_expert_gate=w.shared_expert_gate
+        _fast_linear(x, router, static_weight=bound_router),
+        top_k,
+        x=x,
+        shared_expert_gate=w.shared_expert_gate,
     )
     assert shared_weight is not None
     shared = SharedExpert(gate_up=shared_gate_up, down=w.shared_down_proj, weight=shared_weight)
@@ -527,12 +531,13 @@ def _takes_skinny(x: Tensor, w: Tensor) -> bool:
     return prefers_skinny(x.shape[0], w.shape[0], w.shape[1])
 
 
-def _fast_linear(x: Tensor, w: Tensor) -> Tensor:
-    """Our GEMV where `_takes_skinny`, cuBLAS otherwise."""
+def _fast_linear(x: Tensor, w: Tensor, *, static_weight: bool = True) -> Tensor:
+    """Our GEMV where `_takes_skinny`, cuBLAS otherwise. static_weight: w is a bound weight, never written
+    (the GEMV may read it before its PDL wait); False for a tensor an earlier kernel computes."""
     if _takes_skinny(x, w):
         from ninfer.ops.triton.skinny_gemm import skinny_linear
 
-        return skinny_linear(x, w)
+        return skinny_linear(x, w, static_weight=static_weight)
     return F.linear(x, w)
 
 
@@ -541,7 +546,8 @@ def _fast_linear_add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """The projection, then the fused add + norm: two launches. A split-K GEMV (35B-A3B's eight-row
     attn_o / gdn_out, 27B's eight-row mlp_down) leaves its fp32 partials to the norm kernel, which sums
-    them in the reduce launch's order: the same bits, one dependent launch fewer (H200 graph replay, one
+    them in the reduce launch's order: the same residual stream, one dependent launch fewer (H200 graph
+    replay, one
     process, `tools.ab_step`, 2026-11-30: 27B B = 8 15.184 -> 15.092 ms, 35B-A3B 5.982 -> 5.954). The
     one-launch form for one row (the GEMV's last program doing the add and the norm; `ops/triton/
     gemv_norm.py` in commit 27fd6a4) measured 0.3 ms slower per 27B decode step than two launches under
@@ -551,7 +557,9 @@ def _fast_linear_add_rms_norm(
     if _takes_skinny(act, w):
         from ninfer.ops.triton.skinny_gemm import skinny_linear_partials
 
-        return add_rms_norm_partials(skinny_linear_partials(act, w), residual, weight, eps)
+        return add_rms_norm_partials(
+            skinny_linear_partials(act, w, static_weight=True), residual, weight, eps
+        )
     return add_rms_norm(_fast_linear(act, w), residual, weight, eps)
 
 
