@@ -76,8 +76,8 @@ def time_chain(n: int, k: int, chain: int, m: int = 1) -> list[dict[str, object]
     for name, config in configs.items():
 
         def chained(config: SkinnyConfig = config) -> None:
-            for w, out in zip(weights, outs):
-                skinny_linear(x, w, out=out, config=config)
+            for w, out in zip(weights, outs):  # static weights, as the graph's bound ones
+                skinny_linear(x, w, out=out, config=config, static_weight=True)
 
         record(name, chained, config)
     rows.sort(key=lambda row: row["us"])
