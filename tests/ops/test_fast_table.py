@@ -110,6 +110,38 @@ def test_linear_add_rms_norm_equals_the_reference_composition(table: ModuleType)
         torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_add_rms_norm_hands_split_partials_to_the_norm(
+    table: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape whose tuned GEMV splits K: the norm kernel gets the split partials (no reduce launch) and
+    the residual stream equals the reduced projection + add_rms_norm bit for bit, the normed row within
+    the reference's tolerance."""
+    import ninfer.ops.triton.norm as norm
+    import ninfer.ops.triton.skinny_gemm as skinny
+
+    split = skinny.SkinnyConfig(block_n=16, block_k=16, split_k=2, use_dot=True)
+    monkeypatch.setitem(skinny._TUNED, (8, 33, 40), split)
+    skinny.default_config.cache_clear()
+    slabs: list[int] = []
+    partials = skinny.skinny_linear_partials
+    monkeypatch.setattr(
+        skinny, "skinny_linear_partials", lambda *a, **kw: slabs.append(len(out := partials(*a, **kw))) or out
+    )
+    gen = torch.Generator().manual_seed(12)
+    act, w = torch.randn(3, 40, generator=gen), torch.randn(33, 40, generator=gen) * 40**-0.5
+    residual, weight = torch.randn(3, 33, generator=gen), torch.randn(33, generator=gen) * 0.1
+
+    got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    want_h, want_x = norm.add_rms_norm(skinny.skinny_linear(act, w), residual, weight, 1e-6)
+    skinny.default_config.cache_clear()
+
+    assert slabs == [2]
+    assert torch.equal(got_x, want_x)
+    ref_h, _ = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
 @pytest.mark.parametrize("stacked", [True, False])
 def test_gdn_decode_matches_the_reference_step(
