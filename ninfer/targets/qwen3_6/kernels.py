@@ -547,11 +547,10 @@ def _fast_linear_add_rms_norm(
     """The projection, then the fused add + norm: two launches. A split-K GEMV (35B-A3B's eight-row
     attn_o / gdn_out, 27B's eight-row mlp_down) leaves its fp32 partials to the norm kernel, which sums
     them in the reduce launch's order: the same residual stream, one dependent launch fewer (H200 graph
-    replay, one
-    process, `tools.ab_step`, 2026-11-30: 27B B = 8 15.184 -> 15.092 ms, 35B-A3B 5.982 -> 5.954). The
-    one-launch form for one row (the GEMV's last program doing the add and the norm; `ops/triton/
-    gemv_norm.py` in commit 27fd6a4) measured 0.3 ms slower per 27B decode step than two launches under
-    programmatic dependent launch."""
+    replay, one process, `tools.ab_step`, 2026-11-30: 27B B = 8 15.184 -> 15.092 ms, 35B-A3B 5.982 ->
+    5.954). The one-launch form for one row (the GEMV's last program doing the add and the norm;
+    `ops/triton/gemv_norm.py` in commit 27fd6a4) measured 0.3 ms slower per 27B decode step than two
+    launches under programmatic dependent launch."""
     from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_partials
 
     if _takes_skinny(act, w):
@@ -560,7 +559,7 @@ def _fast_linear_add_rms_norm(
         return add_rms_norm_partials(
             skinny_linear_partials(act, w, static_weight=True), residual, weight, eps
         )
-    return add_rms_norm(_fast_linear(act, w), residual, weight, eps)
+    return add_rms_norm(F.linear(act, w), residual, weight, eps)  # `_takes_skinny` said cuBLAS
 
 
 def fast_kernels() -> Kernels:
