@@ -142,6 +142,60 @@ def test_linear_add_rms_norm_hands_split_partials_to_the_norm(
     torch.testing.assert_close(got_h, want_h, rtol=1e-6, atol=1e-6)
 
 
+def _flagged_ops() -> list[tuple[ModuleType, str]]:
+    import ninfer.ops.triton.attention_prologue as prologue
+    import ninfer.ops.triton.norm as norm
+
+    return [(norm, "rms_norm"), (norm, "add_rms_norm"), (norm, "gated_rms_norm"), (prologue, "sigmoid_gate")]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
+    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """The fast table's norms load their bound weight and the residual stream before the PDL wait
+    (settled), and the norms and the attention output gate let the next kernel launch early at one row
+    only (the H200 A/B: slower at eight rows); the results are the plain kernels', bit for bit."""
+    ops = _flagged_ops()
+    plain = {name: getattr(module, name) for module, name in ops}
+    seen: dict[str, dict[str, bool]] = {}
+    for module, name in ops:
+
+        def spy(*args: object, _name: str = name, **kwargs: object) -> object:
+            seen[_name] = {k: v for k, v in kwargs.items() if k in ("settled", "launch_next_early")}
+            return plain[_name](*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 32, generator=gen), torch.randn(rows, 32, generator=gen)
+    weight = torch.randn(32, generator=gen) * 0.1
+    o, z = torch.randn(rows, 2, 16, generator=gen), torch.randn(rows, 2, 16, generator=gen)
+    qkv = torch.randn(rows, 80, generator=gen)
+    variant = SimpleNamespace(num_attention_heads=2, head_dim=16)
+
+    got = (
+        table._fast_rms_norm(x, weight, 1e-6),
+        *table._fast_add_rms_norm(x, residual, weight, 1e-6),
+        table._fast_gated_rms_norm(o, weight[:16], z, 1e-6),
+        table._fast_attention_output_gate(o, qkv, variant),
+    )
+    want = (
+        plain["rms_norm"](x, weight, 1e-6),
+        *plain["add_rms_norm"](x, residual, weight, 1e-6),
+        plain["gated_rms_norm"](o, weight[:16], z, 1e-6),
+        plain["sigmoid_gate"](o, qkv, num_heads=2, head_dim=16),
+    )
+
+    early = rows == 1
+    assert seen == {
+        "rms_norm": {"settled": True, "launch_next_early": early},
+        "add_rms_norm": {"settled": True, "launch_next_early": early},
+        "gated_rms_norm": {"launch_next_early": early},
+        "sigmoid_gate": {"launch_next_early": early},
+    }
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
 @pytest.mark.parametrize("stacked", [True, False])
 def test_gdn_decode_matches_the_reference_step(

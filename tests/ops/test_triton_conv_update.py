@@ -120,6 +120,25 @@ def test_conv_update_negative_slots_are_padding(kernels: ModuleType) -> None:
     assert torch.equal(pool[2][:, :2], before[0][:, 1:]) and torch.equal(pool[2][:, 2], x[1])
 
 
+def test_conv_update_settled_loads_give_the_same_bits(kernels: ModuleType) -> None:
+    """settled (old window and weights loaded before the PDL wait) and launch_next_early: the same y and
+    pool, bit for bit, with a fresh row and padding slots."""
+    gen = torch.Generator().manual_seed(8)
+    batch, channels, kernel, slots = 4, 40, 4, 9
+    x, pool, weight = _inputs(batch, channels, kernel, slots, torch.bfloat16, gen, "cpu")
+    state_in = torch.tensor([3, -1, 5, 0])
+    state_out = torch.tensor([3, -1, 6, 8])
+    fresh = torch.tensor([False, False, True, False])
+    results = []
+    for flags in ({}, {"settled": True, "launch_next_early": True}):
+        pool_copy = pool.clone()
+        y = kernels.causal_conv1d_update_slots(
+            x, pool_copy, weight, state_in, state_out, fresh, block_c=16, **flags
+        )
+        results.append((y, pool_copy))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_conv_update_rejects_bad_pool(kernels: ModuleType) -> None:
     gen = torch.Generator().manual_seed(1)
     x, pool, weight = _inputs(2, 8, 4, 3, torch.float32, gen, "cpu")

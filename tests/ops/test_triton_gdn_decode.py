@@ -95,6 +95,27 @@ def test_gdn_decode_updates_pool_like_reference(
     assert torch.equal(x["pool"][untouched], pool_before[untouched]), "only state_out slots may change"
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["distinct-slots", "in-place"])
+def test_gdn_decode_settled_loads_give_the_same_bits(kernels: ModuleType, in_place: bool) -> None:
+    """settled (state tile and gating parameters loaded before the PDL wait, a padding row loading none)
+    and launch_next_early: the same outputs and pool, bit for bit, fresh and padding rows included."""
+    gen = torch.Generator().manual_seed(40 + in_place)
+    batch, nk, nv, dk, dv, slots = 4, 2, 6, 16, 16, 9
+    x = _inputs(batch, 1, nk, nv, dk, dv, slots, gen)
+    state_in = torch.tensor([4, -1, 1, 7], dtype=torch.int32)  # row 1 is padding
+    state_out = state_in.clone() if in_place else torch.tensor([2, -1, 6, 8], dtype=torch.int32)
+    fresh = torch.tensor([False, False, True, False])
+    results = []
+    for flags in ({}, {"settled": True, "launch_next_early": True}):
+        pool = x["pool"].clone()
+        o = kernels.gdn_decode_step(
+            x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], pool, state_in, state_out,
+            fresh=fresh, block_v=8, **flags,
+        )  # fmt: skip
+        results.append((o, pool))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_gdn_decode_without_token_dim_and_odd_head_dims(kernels: ModuleType) -> None:
     """[B, nk, dk] inputs (T = 1 implied), dk and dv not powers of two, dv split over blocks, group 3."""
     gen = torch.Generator().manual_seed(3)

@@ -171,6 +171,38 @@ def test_add_rms_norm_partials_equals_reduce_then_add_rms_norm(
     assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
 
 
+@pytest.mark.parametrize("splits", [0, 1, 3], ids=["add", "one-slab", "three-slabs"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_settled_loads_and_early_launch_give_the_same_bits(
+    kernels: ModuleType, splits: int, rows: int
+) -> None:
+    """settled (weight and residual loaded before the PDL wait) and launch_next_early change when the kernel
+    reads, not what it computes: the same normed and summed rows, bit for bit, for every norm."""
+    gen = torch.Generator().manual_seed(20 + splits * 10 + rows)
+    n = 40
+    residual = _randn(rows, n, gen=gen, scale=4.0).half()
+    weight = _randn(n, gen=gen, scale=0.5).half()
+    flags = {"settled": True, "launch_next_early": True}
+    if splits:
+        partials = _randn(splits, rows, n, gen=gen)
+        partials = partials if splits > 1 else partials.half()
+        want = kernels.add_rms_norm_partials(partials, residual, weight, EPS)
+        got = kernels.add_rms_norm_partials(partials, residual, weight, EPS, **flags)
+    else:
+        x = _randn(rows, n, gen=gen).half()
+        want = (*kernels.add_rms_norm(x, residual, weight, EPS), kernels.rms_norm(x, weight, EPS))
+        got = (
+            *kernels.add_rms_norm(x, residual, weight, EPS, **flags),
+            kernels.rms_norm(x, weight, EPS, **flags),
+        )
+        o, z = _randn(rows, 3, 16, gen=gen), _randn(rows, 3, 16, gen=gen).half()
+        gated_weight = _randn(16, gen=gen).half()
+        want += (kernels.gated_rms_norm(o, gated_weight, z, EPS),)
+        got += (kernels.gated_rms_norm(o, gated_weight, z, EPS, launch_next_early=True),)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_add_rms_norm_partials_rejects_bad_slabs(kernels: ModuleType) -> None:
     residual, weight = torch.randn(2, 8), torch.randn(8)
     with pytest.raises(ValueError, match="partials must be"):

@@ -7,6 +7,7 @@ tests run the compiled kernels at every real Qwen3.6 decode projection shape in 
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -141,7 +142,7 @@ class _LaunchSpy:
         launch = self.kernel[grid]  # type: ignore[index]
 
         def run(*args: object, **kwargs: object) -> object:
-            self.early.append(kwargs["EARLY_TILE"])
+            self.early.append(kwargs["EARLY_STEPS"])
             return launch(*args, **kwargs)
 
         return run
@@ -152,10 +153,10 @@ class _LaunchSpy:
 def test_early_first_tile_gives_the_same_bits(
     kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, config_name: str, k: int
 ) -> None:
-    """One row of a static weight in one wave: the first weight tile loaded before the PDL wait and its
-    step peeled off the loop adds the same products in the same order as the plain loop (bit-equal),
-    single-step splits, K < block_k and unrolled steps included; a weight not marked static never loads
-    early."""
+    """One row of a static weight in one wave: the first weight tiles (up to _EARLY_STEPS_MAX) loaded
+    before the PDL wait and their steps peeled off the loop add the same products in the same order as
+    the plain loop (bit-equal), single-step splits, K < block_k, more steps than the cap and unrolled
+    steps included; a weight not marked static never loads early."""
     block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
     config = kernels.SkinnyConfig(
         block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
@@ -171,7 +172,8 @@ def test_early_first_tile_gives_the_same_bits(
     monkeypatch.setattr(kernels, "_EARLY_TILE_WARPS_PER_SM", 0)
     too_many = kernels.skinny_linear(x, w, config=config, static_weight=True)
 
-    assert spy.early == [True, False, False]
+    steps_per_split = math.ceil(math.ceil(k / split_k) / block_k)  # whole steps per split, as the host
+    assert spy.early == [min(kernels._EARLY_STEPS_MAX, steps_per_split), 0, 0]
     assert torch.equal(early, plain) and torch.equal(too_many, plain)
     torch.testing.assert_close(early.float(), F.linear(x.float(), w.float()), rtol=2e-3, atol=2e-3)
 

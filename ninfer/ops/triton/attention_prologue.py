@@ -147,9 +147,11 @@ def _sigmoid_gate_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     flat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # column of the [N, nH*D] output row
     mask = flat < NUM_HEADS * HEAD_DIM
@@ -253,13 +255,14 @@ def sigmoid_gate(
     num_heads: int,
     head_dim: int,
     out: torch.Tensor | None = None,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """o [N, nH, D] * sigmoid(gate) -> [N, nH*D] in o's dtype (fp32 math), gate read in place from qkv.
 
     qkv [N, >= nH*2D] (row stride free, last dim contiguous): head h's gate is columns h*2D + D .. h*2D +
     2D - 1 (the interleaved q projection; anything after nH*2D is ignored). o may be strided with a
     contiguous last dim. Equals `gated_attention_output(o, split_q_gate(qkv[:, :nH*2D], nH, D)[1])`;
-    the result is contiguous, `out` may supply it.
+    the result is contiguous, `out` may supply it. `launch_next_early`: see `pdl`.
     """
     n = o.shape[0]
     width = num_heads * head_dim
@@ -281,6 +284,7 @@ def sigmoid_gate(
     _sigmoid_gate_kernel[(n, triton.cdiv(width, block))](
         o, qkv, y, o.stride(0), o.stride(1), qkv.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=block, num_warps=max(1, min(4, block // 256)),
+        LAUNCH_NEXT_EARLY=launch_next_early,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

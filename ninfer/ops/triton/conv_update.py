@@ -48,9 +48,13 @@ def _conv_update_kernel(
     KERNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SETTLED: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    if not SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     c_block = tl.program_id(1)
     offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -62,7 +66,6 @@ def _conv_update_kernel(
     slot_out = tl.load(state_out_ptr + row).to(tl.int64)
     reads_state = (tl.load(fresh_ptr + row) == 0) & (slot_in >= 0)
 
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride_b + offs_c, mask=mask_c, other=0.0)
     # the pool row is [C, K-1] contiguous, so the [BLOCK_C, K-1] taps of a channel block are one span
     pool_tile = offs_c[:, None] * state_width + taps[None, :]
     state = tl.load(
@@ -70,13 +73,16 @@ def _conv_update_kernel(
         mask=mask_c[:, None] & (taps[None, :] < state_width) & reads_state,
         other=0.0,
     )
-    # the reference concatenates the state cast to x's dtype: the window holds x-dtype values
-    window = tl.where(taps[None, :] == state_width, x[:, None], state.to(x.dtype))
     weight = tl.load(
         weight_ptr + offs_c[:, None] * weight_stride_c + taps[None, :] * weight_stride_k,
         mask=mask_c[:, None] & (taps[None, :] < KERNEL),
         other=0.0,
     ).to(tl.float32)
+    if SETTLED:  # the window's old taps and the weights loaded before the wait, x after it
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride_b + offs_c, mask=mask_c, other=0.0)
+    # the reference concatenates the state cast to x's dtype: the window holds x-dtype values
+    window = tl.where(taps[None, :] == state_width, x[:, None], state.to(x.dtype))
     acc = tl.sum(window.to(tl.float32) * weight, axis=1)
     y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + row.to(tl.int64) * y_stride_b + offs_c, y.to(y_ptr.dtype.element_ty), mask=mask_c)
@@ -101,6 +107,8 @@ def causal_conv1d_update_slots(
     out: torch.Tensor | None = None,
     block_c: int = 256,
     num_warps: int = 4,
+    settled: bool = False,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """One decode token per row through the depthwise causal conv + SiLU, conv state kept in a slot pool.
 
@@ -110,7 +118,9 @@ def causal_conv1d_update_slots(
     starts from a zero window instead of reading state_in). Returns y [B, C] in x's dtype, equal to the
     reference `causal_conv1d_update(x, where(fresh, 0, conv_pool[state_in]), weight)[0]`, and leaves
     that call's new state in conv_pool[state_out]. `out` may supply y's buffer ([B, C], x's dtype, last
-    dim contiguous).
+    dim contiguous). `settled=True`: conv_pool and weight are not written by the kernel launched just
+    before this one (the pool written by an earlier step, a bound weight), so the old window and the
+    weights load before the programmatic-launch wait (`pdl`). `launch_next_early`: see `pdl`.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [B, C] with a contiguous last dim, got {tuple(x.shape)} {x.stride()}")
@@ -143,7 +153,7 @@ def causal_conv1d_update_slots(
         x, conv_pool, weight, state_in, state_out, fresh, y,
         channels, x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),
         KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=block_c,
-        num_warps=num_warps,
+        SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

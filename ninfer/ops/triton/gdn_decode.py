@@ -75,9 +75,13 @@ def _gdn_decode_kernel(
     BLOCK_V: tl.constexpr,
     WRITE_SCRATCH: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    SETTLED: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    if not SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     v_block = tl.program_id(2)
@@ -92,15 +96,21 @@ def _gdn_decode_kernel(
 
     o_row = o_ptr + row.to(tl.int64) * num_tokens * NV * DV + head * DV
     slot_in = tl.load(state_in_ptr + row).to(tl.int64)
+    # the state tile (none for a padding row) and the gating parameters; with SETTLED before the wait
+    state_ptrs = pool_ptr + (tl.maximum(slot_in, 0) * NV + head) * DK * DV + state_tile
+    state = tl.load(state_ptrs, mask=mask_state & (slot_in >= 0), other=0.0)
+    a_log = tl.load(a_log_ptr + head)
+    dt_bias = tl.load(dt_bias_ptr + head)
+    if SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     if slot_in < 0:  # padding row: zero output, no state traffic
         for t in range(num_tokens):
             tl.store(o_row + t * NV * DV + offs_v, tl.zeros([BLOCK_V], tl.float32), mask=mask_v)
     else:
-        state = tl.load(pool_ptr + (slot_in * NV + head) * DK * DV + state_tile, mask=mask_state, other=0.0)
         if HAS_FRESH:  # a sequence's first token starts from the zero state, whatever its slot holds
             state = tl.where(tl.load(fresh_ptr + row) != 0, 0.0, state)
-        decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+        decay_rate = tl.exp(a_log.to(tl.float32))
+        dt_bias = dt_bias.to(tl.float32)
         for t in range(num_tokens):
             q = tl.load(
                 q_ptr + row * q_stride_b + t * q_stride_t + key_head * q_stride_h + offs_k,
@@ -167,6 +177,8 @@ def gdn_decode_step(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    settled: bool = False,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """GDN recurrence for B rows of T tokens, state updated in the pool by slot -> o fp32.
 
@@ -177,6 +189,9 @@ def gdn_decode_step(
     row starts from the zero state instead of its slot's (a sequence's first token).
     Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
     With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
+    `settled=True`: rec_pool, A_log and dt_bias are not written by the kernel launched just before this
+    one (a bound weight; the pool written by an earlier step), so the state tile and the gating
+    parameters load before the programmatic-launch wait (`pdl`). `launch_next_early`: see `pdl`.
     """
     squeeze_tokens = q.dim() == 3
     q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)
@@ -230,7 +245,7 @@ def gdn_decode_step(
         dk**-0.5, _L2NORM_EPS,
         NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
         WRITE_SCRATCH=intermediate_states is not None, HAS_FRESH=fresh is not None,
-        num_warps=num_warps,
+        SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return o[:, 0] if squeeze_tokens else o

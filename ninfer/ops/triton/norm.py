@@ -20,6 +20,14 @@ elements) so that programs stay big enough to stream well, but never so many tha
 the GPU's SMs idle. Rows may be strided (e.g. q [T, heads, 256] sliced out of the interleaved q/gate
 projection): a row's address is outer * stride_outer + inner * stride_inner over a [outer, inner, N]
 view, the last dim contiguous. The launch shape depends only on static shapes: CUDA-graph capturable.
+
+Two launch options change when the kernel reads, never what it computes (`pdl`; both off by default):
+- `settled=True`: the norm weight is a bound weight and the residual was written two or more launches
+  back (the residual stream of an earlier block), so both load before the programmatic-launch wait, while
+  the previous kernel still runs. H200 graph replay, one process (`tools.ab_step`, 2026-11-30): 35B-A3B
+  B = 1 2.294 -> 2.253 ms, B = 8 5.920 -> 5.821 (the residual alone 0.05 ms of it: by then it has left L2).
+- `launch_next_early=True`: the next kernel may launch before this one waits (it must read nothing but
+  static weights and earlier steps' state before its own wait); the fast table asks for it at one row.
 """
 
 from __future__ import annotations
@@ -66,19 +74,29 @@ def _rms_norm_kernel(
     SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SETTLED: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask_n = cols < n
     mask = (rows < num_rows)[:, None] & mask_n[None, :]
     x_tile = _row_offsets(rows, x_inner, x_stride_outer, x_stride_inner)[:, None] + cols[None, :]
     out_tile = rows.to(tl.int64)[:, None] * n + cols[None, :]  # outputs are contiguous rows
+    r_tile = _row_offsets(rows, r_inner, r_stride_outer, r_stride_inner)[:, None] + cols[None, :]
+    if SETTLED:  # the weight and the residual stream from DRAM while the previous kernel runs
+        weight = tl.load(weight_ptr + cols, mask=mask_n, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + r_tile, mask=mask, other=0.0)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     x = tl.load(x_ptr + x_tile, mask=mask, other=0.0)
+    if not SETTLED:
+        weight = tl.load(weight_ptr + cols, mask=mask_n, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + r_tile, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r_tile = _row_offsets(rows, r_inner, r_stride_outer, r_stride_inner)[:, None] + cols[None, :]
-        residual = tl.load(residual_ptr + r_tile, mask=mask, other=0.0)
         if SPLITS > 1:
             # x is split-K partial slabs: the skinny GEMV's reduce, in its order, rounded to its dtype
             x = x.to(tl.float32)
@@ -90,7 +108,7 @@ def _rms_norm_kernel(
         tl.store(summed_ptr + out_tile, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / n + eps)
-    scale = 1.0 + tl.load(weight_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
+    scale = 1.0 + weight.to(tl.float32)
     y = (x32 * inv_rms[:, None]) * scale[None, :]
     tl.store(out_ptr + out_tile, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -114,9 +132,11 @@ def _gated_rms_norm_kernel(
     WEIGHTED_DTYPE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask_n = cols < n
@@ -189,6 +209,9 @@ def _rms_norm_launch(
     summed: torch.Tensor | None,
     splits: int = 1,
     split_stride: int = 0,
+    *,
+    settled: bool,
+    launch_next_early: bool,
 ) -> None:
     """splits > 1: x is the first of that many slabs, split_stride elements apart, summed into x."""
     n = x.shape[-1]
@@ -208,22 +231,29 @@ def _rms_norm_launch(
         x_rows, r_rows, weight, out, out if summed is None else summed,
         num_rows, n, x_inner, x_stride_outer, x_stride_inner, split_stride, r_inner, r_stride_outer,
         r_stride_inner, eps, HAS_RESIDUAL=residual is not None, SPLITS=splits, ROWS=rows_per_program,
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early,
         num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    settled: bool = False,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim, = `ninfer.ops.norm.rms_norm`: x [..., N] -> y in x's dtype.
 
     weight [N] (any float dtype). x may be strided (last dim contiguous). The result is contiguous;
-    `out` may supply it (contiguous, x's shape and dtype).
+    `out` may supply it (contiguous, x's shape and dtype). `settled` and `launch_next_early`: see the
+    module docstring (programmatic dependent launch only; the result is the same).
     """
     y = _output(x, x.dtype, out, "out")
-    _rms_norm_launch(x, None, weight, eps, y, None)
+    _rms_norm_launch(x, None, weight, eps, y, None, settled=settled, launch_next_early=launch_next_early)
     return y
 
 
@@ -235,12 +265,15 @@ def add_rms_norm(
     *,
     out: torch.Tensor | None = None,
     summed_out: torch.Tensor | None = None,
+    settled: bool = False,
+    launch_next_early: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed): summed = x + residual in x's dtype, normed = rms_norm(summed, weight, eps).
 
     x and residual [..., N] of one dtype and shape. Both results are contiguous in x's shape and dtype;
     `out` / `summed_out` may supply them, and `summed_out` may be x or residual itself (each element is
     read before it is written, by the same program), which updates the residual stream in place.
+    `settled` and `launch_next_early`: see the module docstring.
     """
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
@@ -248,7 +281,9 @@ def add_rms_norm(
         )
     normed = _output(x, x.dtype, out, "out")
     summed = _output(x, x.dtype, summed_out, "summed_out")
-    _rms_norm_launch(x, residual, weight, eps, normed, summed)
+    _rms_norm_launch(
+        x, residual, weight, eps, normed, summed, settled=settled, launch_next_early=launch_next_early
+    )
     return normed, summed
 
 
@@ -260,6 +295,8 @@ def add_rms_norm_partials(
     *,
     out: torch.Tensor | None = None,
     summed_out: torch.Tensor | None = None,
+    settled: bool = False,
+    launch_next_early: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm(x, residual, ...)` with x given unreduced: partials [S, *residual.shape] contiguous,
     as `skinny_gemm.skinny_linear_partials` returns them, and x their slab-order fp32 sum (slab 0 first)
@@ -271,24 +308,32 @@ def add_rms_norm_partials(
     if not partials.is_contiguous():
         raise ValueError("partials must be contiguous slabs")
     splits = partials.shape[0]
+    flags = {"settled": settled, "launch_next_early": launch_next_early}
     if splits == 1:
-        return add_rms_norm(partials[0], residual, weight, eps, out=out, summed_out=summed_out)
+        return add_rms_norm(partials[0], residual, weight, eps, out=out, summed_out=summed_out, **flags)
     if partials.dtype != torch.float32:
         raise ValueError(f"split partials must be fp32, got {partials.dtype}")
     normed = _output(residual, residual.dtype, out, "out")
     summed = _output(residual, residual.dtype, summed_out, "summed_out")
-    _rms_norm_launch(partials[0], residual, weight, eps, normed, summed, splits, partials.stride(0))
+    _rms_norm_launch(partials[0], residual, weight, eps, normed, summed, splits, partials.stride(0), **flags)
     return normed, summed
 
 
 def gated_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """Gated RMSNorm of the GDN output = `ninfer.ops.norm.gated_rms_norm(x.to(z.dtype), weight, z, eps)`.
 
     x, z [..., N] of one shape (x in any float dtype, e.g. the fp32 recurrence output; both may be
     strided with a contiguous last dim), weight [N] plain (not zero-centred). The result is in z's dtype,
     contiguous; `out` may supply it. With x already in z's dtype this is exactly the reference.
+    `launch_next_early`: see the module docstring.
     """
     if z.shape != x.shape:
         raise ValueError(f"z {tuple(z.shape)} must match x {tuple(x.shape)}")
@@ -308,7 +353,7 @@ def gated_rms_norm(
         num_rows, n, x_inner, x_stride_outer, x_stride_inner, z_inner, z_stride_outer, z_stride_inner, eps,
         NORMED_DTYPE=_TL_DTYPES[z.dtype],
         WEIGHTED_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, z.dtype)],
-        ROWS=rows_per_program, BLOCK_N=block_n, num_warps=num_warps,
+        ROWS=rows_per_program, BLOCK_N=block_n, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return y

@@ -9,11 +9,21 @@ it first waits for the previous kernel to complete and flush (``griddepcontrol.w
 next kernel launch (``griddepcontrol.launch_dependents``), whose blocks are then scheduled while this
 one runs and wait in their own `enter`. Code before the wait runs while the previous kernel still does,
 so it may read only memory no earlier kernel can still be writing, and write nothing: static weights
-(`skinny_gemm`'s early first tile) or data written two or more launches back (complete and flushed before
-the previous kernel passed its own wait, which comes before it let this one launch; `moe_decode`'s early
-down kernel, which calls `wait` and `launch_dependents` itself). Results are unchanged. Kernels of other
-libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the
-programmatic edges (CUDA 12.3+).
+(`skinny_gemm`'s early tiles, the norms' weights), state pools written by an earlier step (the GDN
+recurrence and conv step), or data written two or more launches back (complete and flushed before the
+previous kernel passed its own wait, which comes before it let this one launch: the residual stream in
+`norm`; `moe_decode`'s early down kernel, which calls `wait` and `launch_dependents` itself). Results are
+unchanged. Kernels of other libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph
+capture records the programmatic edges (CUDA 12.3+).
+
+A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, the ops'
+``launch_next_early=True``). The next kernel's code before its wait then runs while this one's
+predecessor may still run, so it must read nothing but static weights and earlier steps' state. The fast
+table asks for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights load
+before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out, the attention
+output gate -> o_proj, a norm -> the next projection): that GEMV's weights then stream while the small
+kernels before it run. At eight rows it was slower (docs/benchmarks.md, run 14's session): programs
+launched early hold SM slots that a multi-wave predecessor still needs.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "enter", "launch_dependents", "wait"]
+__all__ = ["ENABLED", "LAUNCH", "enter", "enter_after", "launch_dependents", "launch_next", "wait"]
 
 
 def _enabled() -> bool:
@@ -63,3 +73,19 @@ def enter(USE_PDL: tl.constexpr):
     """A kernel's first statement: wait for the previous kernel, then let the next one launch."""
     wait(USE_PDL)
     launch_dependents(USE_PDL)
+
+
+@triton.jit
+def launch_next(LAUNCH_NEXT_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    """A kernel's first statement when it may let the next one launch before its own wait."""
+    if LAUNCH_NEXT_EARLY:
+        launch_dependents(USE_PDL)
+
+
+@triton.jit
+def enter_after(LAUNCH_NEXT_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    """`enter` of a kernel that began with `launch_next`: only the wait is left if it launched early."""
+    if LAUNCH_NEXT_EARLY:
+        wait(USE_PDL)
+    else:
+        enter(USE_PDL)

@@ -107,8 +107,12 @@ class SkinnyConfig:
 # at most this many warps per SM (half of Hopper's 64: the one-row tiles' 4-warp programs, 8 to an SM, one
 # wave) loads each program's first weight tile before its PDL wait: in one wave no program holding a tile
 # keeps a later program off the SM. H200 35B-A3B B = 1 graph replay (its attn_o / gdn_out and stacked MoE
-# input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three rounds).
+# input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three rounds). It now loads up to
+# _EARLY_STEPS_MAX tiles: the whole row slice of those projections (16 KB per program, 32 registers a
+# thread), which streams while the small kernels before them run when the fast table lets them launch
+# early (`pdl`, one row): 35B-A3B B = 1 2.212 -> 2.150 ms with the early launches (one tile: 2.193).
 _EARLY_TILE_WARPS_PER_SM = 32
+_EARLY_STEPS_MAX = 4
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
 _DOT = {"num_warps": 4, "use_dot": True}
 _ONE_ROW = SkinnyConfig(block_n=2, block_k=1024, num_warps=4, unroll=1, **_FMA)  # the chain's one-row pick
@@ -262,7 +266,7 @@ def _skinny_fma_kernel(
     conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, EARLY_TILE: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, EARLY_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -273,12 +277,13 @@ def _skinny_fma_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if EARLY_TILE:  # static weights, one row (the host's rule): the first tile may load before the PDL wait
-        first_mask = (k_begin + offs_k) < k_end
-        w_first = tl.load(
-            w_rows + (k_begin + offs_k)[None, :], mask=mask_n[:, None] & first_mask[None, :], other=0.0,
-            eviction_policy="evict_first",
-        )  # fmt: skip
+    early_tiles = ()  # static weights, one row (the host's rule): the first tiles load before the PDL wait
+    for step in tl.static_range(EARLY_STEPS):
+        step_mask = (k_begin + step * BLOCK_K + offs_k) < k_end
+        early_tiles = early_tiles + (tl.load(
+            w_rows + (k_begin + step * BLOCK_K + offs_k)[None, :], mask=mask_n[:, None] & step_mask[None, :],
+            other=0.0, eviction_policy="evict_first",
+        ),)  # fmt: skip
     pdl.enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -291,11 +296,11 @@ def _skinny_fma_kernel(
     if BLOCK_M == 1:
         # one row: a 2-D accumulator, x broadcast along the weight rows
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        k_start = k_begin
-        if EARLY_TILE:  # the first step, peeled: the same additions in the same order
-            xs = tl.load(x_ptr + k_begin + offs_k, mask=first_mask, other=0.0)
-            acc += w_first.to(tl.float32) * xs.to(tl.float32)[None, :]
-            k_start = k_begin + BLOCK_K
+        for step in tl.static_range(EARLY_STEPS):  # the first steps, peeled: the same additions in order
+            step_mask = (k_begin + step * BLOCK_K + offs_k) < k_end
+            xs = tl.load(x_ptr + k_begin + step * BLOCK_K + offs_k, mask=step_mask, other=0.0)
+            acc += early_tiles[step].to(tl.float32) * xs.to(tl.float32)[None, :]
+        k_start = k_begin + EARLY_STEPS * BLOCK_K
         for k0 in range(k_start, k_end, BLOCK_K * UNROLL):
             for step in tl.static_range(UNROLL):
                 ks = k0 + step * BLOCK_K + offs_k
@@ -553,16 +558,17 @@ def _project(
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
-        # one wave of one-row programs: each loads its first weight tile before its PDL wait
+        # one wave of one-row programs: each loads its first weight tiles before its PDL wait
         early = (
             static_weight
             and m == 1
             and conv_kernel == 1
             and grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
         )
+        early_steps = min(_EARLY_STEPS_MAX, triton.cdiv(k_per_split, config.block_k)) if early else 0
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            UNROLL=config.unroll, **conv_options, EARLY_TILE=early,
+            UNROLL=config.unroll, **conv_options, EARLY_STEPS=early_steps,
             num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip

@@ -60,7 +60,14 @@ GdnDecode = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, "StepBa
 
 @dataclass(frozen=True)
 class Kernels:
-    """One implementation per op; `name` says which table (logged, shown by bench)."""
+    """One implementation per op; `name` says which table (logged, shown by bench).
+
+    What the fast table assumes of its callers (the model's forward keeps it): norm weights and projection
+    weights are bound weights, never written; the residual given to `add_rms_norm` / `linear_add_rms_norm`
+    was written two or more launches earlier (an earlier block's norm); and whatever a norm, the gated
+    norm, the output gate, the conv step or the recurrence hands its output to is a projection or one of
+    these (they may let it launch before their own wait, `ninfer.ops.triton.pdl`).
+    """
 
     name: str
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
@@ -300,6 +307,15 @@ REFERENCE = Kernels(
 _CONV_EPILOGUE_ROWS = range(2, 9)
 
 
+def _launches_next_early(rows: int) -> bool:
+    """Whether a small decode kernel lets the next one launch before its own wait (`pdl`): at one row, where
+    the chains it starts end in one-wave GEMVs that load their weights before their wait (H200 graph
+    replay, one process, `tools.ab_step`, 2026-11-30: 35B-A3B B = 1 2.212 -> 2.150 ms with those GEMVs
+    loading whole row slices; 27B unchanged). At eight rows it cost 0.23 ms per 35B-A3B step. Every kernel
+    that follows one of these reads only bound weights and earlier steps' state before its wait."""
+    return rows == 1
+
+
 def _fast_gdn_decode(
     w: GdnLayerView, variant: Variant, x: Tensor, conv_slots: Tensor, rec_slots: Tensor, batch: StepBatch
 ) -> tuple[Tensor, Tensor]:
@@ -307,7 +323,9 @@ def _fast_gdn_decode(
     conv step over the slots in its epilogue, then the recurrence, at 2..8 rows. That GEMV replaces cuBLAS
     there whether or not `prefers_skinny` would (35B-A3B's (8, 12352, 2048) runs the untuned dot tile,
     unsplit: the A/B above is with it). One row, more than 8, or no stacked rows: the projection
-    (`_fast_linear`), the conv step kernel, the recurrence."""
+    (`_fast_linear`), the conv step kernel, the recurrence. The pools and the bound weights are settled
+    (no kernel of this step wrote them before), so the conv step and the recurrence load them before their
+    PDL wait: 35B-A3B B = 1 2.294 -> 2.281 / 2.283 ms each (H200, `tools.ab_step`, 2026-11-30)."""
     from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
     from ninfer.ops.triton.gdn_decode import gdn_decode_step
     from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
@@ -321,12 +339,14 @@ def _fast_gdn_decode(
     else:
         mixed_qkv, z, a, b = gdn_in_projection(w, x, _fast_linear)
         conv_out = causal_conv1d_update_slots(
-            mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh
-        )
+            mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh,
+            settled=True, launch_next_early=_launches_next_early(x.shape[0]),
+        )  # fmt: skip
     q, k, v = split_conv_output(variant, conv_out)
     o = gdn_decode_step(
-        q, k, v, a, b, w.A_log, w.dt_bias, rec_slots, batch.state_in, batch.state_out, fresh=batch.fresh
-    )
+        q, k, v, a, b, w.A_log, w.dt_bias, rec_slots, batch.state_in, batch.state_out, fresh=batch.fresh,
+        settled=True, launch_next_early=_launches_next_early(x.shape[0]),
+    )  # fmt: skip
     return o, z
 
 
@@ -481,7 +501,32 @@ def _fast_attention_prologue(
 def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
     from ninfer.ops.triton.attention_prologue import sigmoid_gate
 
-    return sigmoid_gate(o, qkv, num_heads=variant.num_attention_heads, head_dim=variant.head_dim)
+    return sigmoid_gate(
+        o, qkv, num_heads=variant.num_attention_heads, head_dim=variant.head_dim,
+        launch_next_early=_launches_next_early(o.shape[0]),
+    )  # fmt: skip
+
+
+def _fast_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    from ninfer.ops.triton.norm import rms_norm as triton_rms_norm
+
+    return triton_rms_norm(x, weight, eps, settled=True, launch_next_early=_launches_next_early(x.shape[0]))
+
+
+def _fast_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream was written by an earlier block's norm, two or more launches back, and the norm
+    weight is bound: both load before the PDL wait (`norm`, ``settled``)."""
+    from ninfer.ops.triton.norm import add_rms_norm
+
+    return add_rms_norm(
+        x, residual, weight, eps, settled=True, launch_next_early=_launches_next_early(x.shape[0])
+    )
+
+
+def _fast_gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
+    from ninfer.ops.triton.norm import gated_rms_norm as triton_gated_rms_norm
+
+    return triton_gated_rms_norm(x, weight, z, eps, launch_next_early=_launches_next_early(x.shape[0]))
 
 
 def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
@@ -551,20 +596,20 @@ def _fast_linear_add_rms_norm(
     5.954). The one-launch form for one row (the GEMV's last program doing the add and the norm;
     `ops/triton/gemv_norm.py` in commit 27fd6a4) measured 0.3 ms slower per 27B decode step than two
     launches under programmatic dependent launch."""
-    from ninfer.ops.triton.norm import add_rms_norm, add_rms_norm_partials
+    from ninfer.ops.triton.norm import add_rms_norm_partials
 
     if _takes_skinny(act, w):
         from ninfer.ops.triton.skinny_gemm import skinny_linear_partials
 
         return add_rms_norm_partials(
-            skinny_linear_partials(act, w, static_weight=True), residual, weight, eps
-        )
-    return add_rms_norm(F.linear(act, w), residual, weight, eps)  # `_takes_skinny` said cuBLAS
+            skinny_linear_partials(act, w, static_weight=True), residual, weight, eps, settled=True,
+            launch_next_early=_launches_next_early(act.shape[0]),
+        )  # fmt: skip
+    return _fast_add_rms_norm(F.linear(act, w), residual, weight, eps)  # `_takes_skinny` said cuBLAS
 
 
 def fast_kernels() -> Kernels:
     """The CUDA table: every op that has a fast implementation takes it (imports Triton and fla-core)."""
-    from ninfer.ops.triton import norm as triton_norm
     from ninfer.ops.triton.activation import swiglu as triton_swiglu
     from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
@@ -580,9 +625,9 @@ def fast_kernels() -> Kernels:
     return replace(
         REFERENCE,
         name="fast",
-        rms_norm=triton_norm.rms_norm,
-        add_rms_norm=triton_norm.add_rms_norm,
-        gated_rms_norm=triton_norm.gated_rms_norm,
+        rms_norm=_fast_rms_norm,
+        add_rms_norm=_fast_add_rms_norm,
+        gated_rms_norm=_fast_gated_rms_norm,
         swiglu=triton_swiglu,
         gdn_decode=_fast_gdn_decode,
         gdn_prefill=gdn_prefill,
