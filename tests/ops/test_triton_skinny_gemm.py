@@ -227,11 +227,13 @@ def _conv_reference(
 @pytest.mark.parametrize("config_name", ["fma", "fma-unroll", "fma-split", "dot", "dot-split"])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("settled", [False, True], ids=["plain", "settled"])
 def test_conv_epilogue_matches_projection_then_conv(
-    kernels: ModuleType, config_name: str, rows: int, dtype: torch.dtype
+    kernels: ModuleType, config_name: str, rows: int, dtype: torch.dtype, settled: bool
 ) -> None:
     """C = 20 of N = 33 columns (no block divides either); rows that move slots, update in place, start
-    fresh, or are padding (state_in / state_out < 0); split-K configs run unsplit."""
+    fresh, or are padding (state_in / state_out < 0); split-K configs run unsplit; settled conv inputs
+    (loaded before the PDL wait) give the same results."""
     block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
     config = kernels.SkinnyConfig(
         block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
@@ -250,7 +252,7 @@ def test_conv_epilogue_matches_projection_then_conv(
         kernels.skinny_linear(x, w, config=unsplit), channels, pool, conv_weight, state_in, state_out, fresh
     )
     step = kernels.ConvStep(
-        pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh
+        pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh, settled=settled
     )
     out = torch.full((rows, n), float("nan"), dtype=dtype)
 
@@ -487,9 +489,13 @@ def test_skinny_linear_cuda_graph_replay_is_deterministic(rows: int) -> None:
 @pytest.mark.parametrize(
     ("name", "n", "k", "channels"), [("27b", 16480, 5120, 10240), ("35b", 12352, 2048, 8192)]
 )
-def test_conv_epilogue_cuda_gdn_in_shapes(name: str, n: int, k: int, channels: int, rows: int) -> None:
+@pytest.mark.parametrize("settled", [False, True], ids=["plain", "settled"])
+def test_conv_epilogue_cuda_gdn_in_shapes(
+    name: str, n: int, k: int, channels: int, rows: int, settled: bool
+) -> None:
     """The GDN input projection with the conv step inside (default tiles, bf16) against the projection
-    and then the conv step kernel over the same pool, slots moved, in place, fresh and padding."""
+    and then the conv step kernel over the same pool, slots moved, in place, fresh and padding; its conv
+    inputs loaded before the PDL wait or after it."""
     from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
     from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
 
@@ -510,7 +516,9 @@ def test_conv_epilogue_cuda_gdn_in_shapes(name: str, n: int, k: int, channels: i
         projected[:, :channels], pool_want, conv_weight, state_in, state_out, fresh
     )
     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    step = ConvStep(pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh)
+    step = ConvStep(
+        pool=pool, weight=conv_weight, state_in=state_in, state_out=state_out, fresh=fresh, settled=settled
+    )
 
     got = skinny_linear(x, w, out=out, conv=step)
 

@@ -230,7 +230,9 @@ def gdn_decode_step(
         return o[:, 0] if squeeze_tokens else o
 
     block_k = triton.next_power_of_2(dk)
-    block_v = block_v or min(triton.next_power_of_2(dv), 32)
+    # 64 value columns per program from two rows (H200 graph replay, `tools.ab_step`, 2026-11-30: 35B-A3B
+    # B = 8 5.845 -> 5.824 ms, 27B unchanged), 32 for one row (more programs for its few heads)
+    block_v = block_v or min(triton.next_power_of_2(dv), 64 if batch > 1 else 32)
     scratch = intermediate_states if intermediate_states is not None else rec_pool  # unused when not written
     grid = (batch, nv, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[grid](

@@ -162,7 +162,9 @@ class ConvStep:
     `conv_update.causal_conv1d_update_slots` does to the projection's first C columns. pool [S, C, K-1]
     contiguous, weight [C, K], state_in / state_out [M] integer slots, fresh [M] bool, all on x's device.
     As there, slots written by one row must not be read or written by another row (state_out may equal
-    the row's own state_in).
+    the row's own state_in). settled: pool and weight are not written by the kernel launched just before
+    (the pool by an earlier step, a bound weight), so the old windows and the conv weights load before
+    the PDL wait (`pdl`): H200 35B-A3B B = 8 graph replay 5.845 -> 5.833 ms (`tools.ab_step`, 2026-11-30).
     """
 
     pool: torch.Tensor
@@ -170,6 +172,7 @@ class ConvStep:
     state_in: torch.Tensor
     state_out: torch.Tensor
     fresh: torch.Tensor
+    settled: bool = False
 
 
 @triton.jit
@@ -266,8 +269,8 @@ def _skinny_fma_kernel(
     conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, EARLY_STEPS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_SETTLED: tl.constexpr,
+    EARLY_STEPS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -277,6 +280,13 @@ def _skinny_fma_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if HAS_CONV and CONV_SETTLED:
+        conv_state, conv_weight = _conv_window_loads(
+            conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
+            conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
+        )  # fmt: skip
     early_tiles = ()  # static weights, one row (the host's rule): the first tiles load before the PDL wait
     for step in tl.static_range(EARLY_STEPS):
         step_mask = (k_begin + step * BLOCK_K + offs_k) < k_end
@@ -285,9 +295,7 @@ def _skinny_fma_kernel(
             other=0.0, eviction_policy="evict_first",
         ),)  # fmt: skip
     pdl.enter(USE_PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    if HAS_CONV:
+    if HAS_CONV and not CONV_SETTLED:
         conv_state, conv_weight = _conv_window_loads(
             conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
             conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
@@ -355,10 +363,11 @@ def _skinny_dot_kernel(
     conv_pool_ptr, conv_w_ptr, state_in_ptr, state_out_ptr, fresh_ptr,
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr,
+    HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(USE_PDL)
+    if not (HAS_CONV and CONV_SETTLED):
+        pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -371,6 +380,8 @@ def _skinny_dot_kernel(
             conv_pool_ptr, conv_w_ptr, state_in_ptr, fresh_ptr, offs_m, mask_m, offs_n,
             conv_channels, conv_w_stride_c, conv_w_stride_k, CONV_K, CONV_BLOCK,
         )  # fmt: skip
+        if CONV_SETTLED:
+            pdl.enter(USE_PDL)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -419,11 +430,11 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _conv_launch_args(conv: ConvStep | None, x: torch.Tensor, m: int, n: int) -> tuple[tuple, int]:
-    """The kernels' conv arguments (pool, weight, state_in, state_out, fresh, C, weight strides) and K;
-    placeholders the kernel never reads without a conv step."""
+def _conv_launch_args(conv: ConvStep | None, x: torch.Tensor, m: int, n: int) -> tuple[tuple, int, bool]:
+    """The kernels' conv arguments (pool, weight, state_in, state_out, fresh, C, weight strides), K and
+    whether pool and weight are settled; placeholders the kernel never reads without a conv step."""
     if conv is None:
-        return (x, x, x, x, x, 0, 0, 0), 1
+        return (x, x, x, x, x, 0, 0, 0), 1, False
     pool, weight = conv.pool, conv.weight
     channels = pool.shape[1] if pool.dim() == 3 else -1
     kernel = weight.shape[1] if weight.dim() == 2 else -1
@@ -445,7 +456,7 @@ def _conv_launch_args(conv: ConvStep | None, x: torch.Tensor, m: int, n: int) ->
             raise ValueError(f"conv.{name} must be [{m}] (one per row), got {shape}")
     fresh = conv.fresh.view(torch.uint8) if conv.fresh.dtype == torch.bool else conv.fresh
     args = (pool, weight, conv.state_in, conv.state_out, fresh, channels, weight.stride(0), weight.stride(1))
-    return args, kernel
+    return args, kernel, conv.settled
 
 
 def skinny_linear(
@@ -495,7 +506,7 @@ def _prepare(
     out: torch.Tensor | None,
     config: SkinnyConfig | None,
     conv: ConvStep | None,
-) -> tuple[torch.Tensor, torch.Tensor, SkinnyConfig, tuple[tuple, int]]:
+) -> tuple[torch.Tensor, torch.Tensor, SkinnyConfig, tuple[tuple, int, bool]]:
     """The checked arguments (x made unit-stride along K), the output buffer, the launch's config and the
     kernels' conv arguments (`_conv_launch_args`)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -531,13 +542,13 @@ def _project(
     w: torch.Tensor,
     out: torch.Tensor,
     config: SkinnyConfig,
-    conv_launch: tuple[tuple, int],
+    conv_launch: tuple[tuple, int, bool],
     static_weight: bool,
 ) -> torch.Tensor:
     """Launch the GEMV (M, N, K >= 1) -> out, or its fp32 partial slabs [S, M, N] when the config splits."""
     m, k = x.shape
     n = w.shape[0]
-    conv_args, conv_kernel = conv_launch
+    conv_args, conv_kernel, conv_settled = conv_launch
     # K ranges are whole steps; splits that would start past K are dropped (the count stays static)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -549,7 +560,8 @@ def _project(
     grid = (triton.cdiv(n, config.block_n), split_k)
     args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os, *conv_args)
     conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # conv width 1: no conv step
-                    "CONV_BLOCK": triton.next_power_of_2(conv_kernel)}  # fmt: skip
+                    "CONV_BLOCK": triton.next_power_of_2(conv_kernel),
+                    "CONV_SETTLED": conv_settled}  # fmt: skip
     if config.use_dot:
         _skinny_dot_kernel[grid](
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

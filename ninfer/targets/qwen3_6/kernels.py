@@ -333,7 +333,7 @@ def _fast_gdn_decode(
     if w.in_proj is not None and x.shape[0] in _CONV_EPILOGUE_ROWS and x.dtype == w.in_proj.dtype:
         conv = ConvStep(
             pool=conv_slots, weight=w.conv_weight, state_in=batch.state_in, state_out=batch.state_out,
-            fresh=batch.fresh,
+            fresh=batch.fresh, settled=True,
         )  # fmt: skip
         conv_out, z, b, a = skinny_linear(x, w.in_proj, conv=conv).split(_in_proj_sizes(w), dim=-1)
     else:
