@@ -196,6 +196,54 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_attention_and_moe_decode_launch_next_early_at_one_row(
+    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """The attention prologue, the decode attention (split and merge launches) and the decode MoE block
+    (its down launch) let the next kernel launch early at one row only; the results are the plain ops'."""
+    import ninfer.ops.triton.attention_prologue as prologue
+    import ninfer.ops.triton.moe_decode as moe_decode
+    import ninfer.ops.triton.paged_decode_attention as attention
+
+    seen: dict[str, list[bool]] = {}
+    for module, name in ((prologue, "qk_norm_rope_kv_write"), (attention, "paged_decode_attention"),
+                         (moe_decode, "moe_decode_block")):  # fmt: skip
+        plain = getattr(module, name)
+
+        def spy(*args: object, _name: str = name, _plain: object = plain, **kwargs: object) -> object:
+            seen.setdefault(_name, []).append(bool(kwargs.get("launch_next_early")))
+            return _plain(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, name, spy)
+    gen = torch.Generator().manual_seed(rows)
+    heads, kv_heads, dim, page, pages = 4, 2, 16, 8, 3
+    variant = SimpleNamespace(
+        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-6,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    qkv = torch.randn(rows, heads * 2 * dim + 2 * kv_heads * dim, generator=gen)
+    k_pages = torch.randn(rows * pages, page, kv_heads, dim, generator=gen)
+    v_pages = torch.randn(rows * pages, page, kv_heads, dim, generator=gen)
+    slots = torch.tensor([r * pages * page + 5 for r in range(rows)])
+    norm_w, cos, sin = torch.randn(dim, generator=gen) * 0.1, torch.ones(rows, 8), torch.zeros(rows, 8)
+    q = table._fast_attention_prologue(qkv, norm_w, norm_w, cos, sin, k_pages, v_pages, slots, variant)
+    table_rows = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
+    lens = torch.full((rows,), 6, dtype=torch.int32)
+    o = table._fast_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5)
+    view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=16)
+    x = torch.randn(rows, 24, generator=gen)
+    moe = table._fast_moe_block(view, variant, x, True)
+
+    early = rows == 1
+    assert seen == {
+        "qk_norm_rope_kv_write": [early], "paged_decode_attention": [early], "moe_decode_block": [early]
+    }
+    want_o = table.REFERENCE.decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5)
+    assert max_rel_error(o, want_o) < 1e-5
+    assert max_rel_error(moe, table.REFERENCE.moe_block(view, variant, x, True)) < 1e-5
+
+
 @pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
 @pytest.mark.parametrize("stacked", [True, False])
 def test_gdn_decode_matches_the_reference_step(

@@ -232,13 +232,14 @@ def _early_down_combine_kernel(
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_I: tl.constexpr, I_STEPS: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, INTER_SIZE: tl.constexpr,
     EVEN_I: tl.constexpr, PRELOAD_GROUPS: tl.constexpr, PRELOAD_STEPS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """`fused_moe._decode_down_combine_kernel` with the shared slot, its down rows loaded before the PDL
     wait: the token's top-k is ranked again from `projected` (written two launches back, so complete
     before this kernel launched), and the first PRELOAD_STEPS I-steps of the first PRELOAD_GROUPS expert
     groups (the shared expert's too) are in flight while launch 1 finishes. After the wait, the same tiles,
     products and reductions in the same order as that kernel: the same bits."""
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
     SLOTS = TOP_K + 1  # rows of the intermediate per token (the shared expert's last)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -278,8 +279,7 @@ def _early_down_combine_kernel(
             w = _down_tile(w_ptrs, rows_mask, offs_i[None, None, :], step, BLOCK_I, INTER_SIZE, EVEN_I)
             tiles = tiles + (w,)
 
-    pdl.wait(USE_PDL)
-    pdl.launch_dependents(USE_PDL)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
 
     # ---- after the wait: `_decode_down_combine_kernel`'s arithmetic, its loads of the tiles above skipped
     shared_hidden_ptrs = hidden_ptr + (token * SLOTS + TOP_K) * INTER_SIZE + offs_i
@@ -410,6 +410,7 @@ def routed_gate_up(
 def _early_down_combine(
     projected: torch.Tensor, hidden: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor, config: FusedMoeDecodeConfig, shared_down: torch.Tensor, shared_weight: torch.Tensor,
+    launch_next_early: bool,
 ) -> None:  # fmt: skip
     """`decode_down_combine` with the shared slot, its down rows loaded before the PDL wait
     (`_early_down_combine_kernel`): the same out, bit for bit."""
@@ -430,7 +431,7 @@ def _early_down_combine(
         NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_H=config.down_block_h, BLOCK_I=block_i, I_STEPS=i_steps, EXPERTS_PER_STEP=per_step,
         INTER_SIZE=inter_size, EVEN_I=inter_size % block_i == 0, PRELOAD_GROUPS=preload_groups,
-        PRELOAD_STEPS=preload_steps, num_warps=config.down_warps,
+        PRELOAD_STEPS=preload_steps, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=config.down_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
@@ -447,6 +448,7 @@ def moe_decode_block(
     gate_up_config: RoutedGateUpConfig | None = None,
     down_config: FusedMoeDecodeConfig | None = None,
     early_down: bool | None = None,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """The sparse MoE block of T <= DECODE_MAX_PAIRS / K decode tokens -> [T, H] in x's dtype.
 
@@ -457,7 +459,8 @@ def moe_decode_block(
     `default_gate_up_config(T*K)` and `fused_moe.default_decode_config(T*K)` (its down tiles). early_down
     picks the down launch: `_early_down_combine` (ranks again and loads its down rows before the PDL wait)
     or `fused_moe.decode_down_combine`; the same result, bit for bit. None: early for T*K <=
-    EARLY_DOWN_MAX_PAIRS (the H200 A/B in the module docstring).
+    EARLY_DOWN_MAX_PAIRS (the H200 A/B in the module docstring). launch_next_early: the early down launch
+    lets the next kernel launch before its own wait (`pdl`; the plain one does not).
     """
     _check(x, projected, gate_up, shared_expert_gate, top_k)  # before anything is launched
     tokens, hidden_size = x.shape
@@ -478,8 +481,9 @@ def moe_decode_block(
         early_down = tokens * top_k <= EARLY_DOWN_MAX_PAIRS
     if early_down:
         _early_down_combine(
-            projected, hidden_states, down, weights, out, down_config, shared_down, shared_weight
-        )
+            projected, hidden_states, down, weights, out, down_config, shared_down, shared_weight,
+            launch_next_early,
+        )  # fmt: skip
         return out
     decode_down_combine(
         hidden_states,

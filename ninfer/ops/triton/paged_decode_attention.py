@@ -58,9 +58,11 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,9 +133,11 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter(USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -184,12 +188,14 @@ def paged_decode_attention(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    launch_next_early: bool = False,
 ) -> torch.Tensor:
     """Decode attention over paged K/V -> [B, nH, D] in q's dtype (fp32 softmax and accumulation).
 
     q [B, nH, D]; k_pages, v_pages [P, page_size, nKV, D] with a contiguous last dim; block_table
     [B, maxp] int32; context_lens [B] int32 (row r's query is the last of its context_lens[r] positions).
     `out` may supply the [B, nH, D] output buffer; `num_splits` defaults to `default_num_splits`.
+    `launch_next_early`: see `pdl` (with splits, the merge launch follows the split launch early too).
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_pages.shape
@@ -231,7 +237,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=num_stages,
+        LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     if num_splits > 1:
@@ -240,7 +246,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            LAUNCH_NEXT_EARLY=launch_next_early, num_warps=4,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     return out

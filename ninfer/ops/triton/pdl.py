@@ -18,12 +18,14 @@ capture records the programmatic edges (CUDA 12.3+).
 
 A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, the ops'
 ``launch_next_early=True``). The next kernel's code before its wait then runs while this one's
-predecessor may still run, so it must read nothing but static weights and earlier steps' state. The fast
-table asks for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights load
-before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out, the attention
-output gate -> o_proj, a norm -> the next projection): that GEMV's weights then stream while the small
-kernels before it run. At eight rows it was slower (docs/benchmarks.md, run 14's session): programs
-launched early hold SM slots that a multi-wave predecessor still needs.
+predecessor may still run, so it must read nothing but static weights, earlier steps' state and data
+written before that predecessor started (the residual stream, four launches back). The fast table asks
+for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights load before its
+wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the attention prologue
+-> split-KV attention -> merge -> output gate -> o_proj; a norm -> the next projection; the MoE down
+launch -> the norm): that GEMV's weights then stream while the small kernels before it run. At eight
+rows it was slower (docs/benchmarks.md, run 14's session): programs launched early hold SM slots that a
+multi-wave predecessor still needs.
 """
 
 from __future__ import annotations

@@ -310,9 +310,12 @@ _CONV_EPILOGUE_ROWS = range(2, 9)
 def _launches_next_early(rows: int) -> bool:
     """Whether a small decode kernel lets the next one launch before its own wait (`pdl`): at one row, where
     the chains it starts end in one-wave GEMVs that load their weights before their wait (H200 graph
-    replay, one process, `tools.ab_step`, 2026-11-30: 35B-A3B B = 1 2.212 -> 2.150 ms with those GEMVs
-    loading whole row slices; 27B unchanged). At eight rows it cost 0.23 ms per 35B-A3B step. Every kernel
-    that follows one of these reads only bound weights and earlier steps' state before its wait."""
+    replay, one process, `tools.ab_step`, 2026-11-30: 35B-A3B B = 1 2.212 -> 2.150 ms for the norms, the
+    gates, the conv step and the recurrence, with those GEMVs loading whole row slices; 2.152 -> 2.128 for
+    the attention prologue, attention and merge and the MoE down launch; 27B unchanged). At eight rows it
+    cost 0.23 ms per 35B-A3B step. Every kernel that follows one of these reads nothing before its wait but
+    bound weights, earlier steps' state and the residual stream (written by a norm four or more launches
+    earlier, complete before the kernel ahead of it started)."""
     return rows == 1
 
 
@@ -495,6 +498,18 @@ def _fast_attention_prologue(
         qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping,
         num_heads=variant.num_attention_heads, num_kv_heads=variant.num_kv_heads,
         head_dim=variant.head_dim, eps=variant.rms_norm_eps,
+        launch_next_early=_launches_next_early(qkv.shape[0]),
+    )  # fmt: skip
+
+
+def _fast_decode_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+) -> Tensor:
+    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
+
+    return paged_decode_attention(
+        q, k_pages, v_pages, block_table, context_lens, scale,
+        launch_next_early=_launches_next_early(q.shape[0]),
     )  # fmt: skip
 
 
@@ -545,8 +560,9 @@ def _fast_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) ->
     if decode_sized and w.input_proj is not None and same_width:
         projected = _fast_linear(x, w.input_proj)
         return moe_decode_block(
-            x, projected, w.gate_up, w.down, w.shared_down_proj, w.shared_expert_gate, top_k
-        )
+            x, projected, w.gate_up, w.down, w.shared_down_proj, w.shared_expert_gate, top_k,
+            launch_next_early=_launches_next_early(x.shape[0]),
+        )  # fmt: skip
     if w.input_proj is not None:  # rows [router; shared gate; shared up]: the shared gate_up is a slice
         router, shared_gate_up = w.input_proj[:num_experts], w.input_proj[num_experts:]
     else:
@@ -611,7 +627,6 @@ def _fast_linear_add_rms_norm(
 def fast_kernels() -> Kernels:
     """The CUDA table: every op that has a fast implementation takes it (imports Triton and fla-core)."""
     from ninfer.ops.triton.activation import swiglu as triton_swiglu
-    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
     gdn_prefill = _fast_gdn_prefill
     try:  # the `gpu` extra; without it prefill keeps the reference delta rule (correct, slower)
@@ -631,7 +646,7 @@ def fast_kernels() -> Kernels:
         swiglu=triton_swiglu,
         gdn_decode=_fast_gdn_decode,
         gdn_prefill=gdn_prefill,
-        decode_attention=paged_decode_attention,
+        decode_attention=_fast_decode_attention,
         prefill_attention=_sdpa_prefill_attention,
         attention_prologue=_fast_attention_prologue,
         attention_output_gate=_fast_attention_output_gate,
