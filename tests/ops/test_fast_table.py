@@ -142,6 +142,35 @@ def test_linear_add_rms_norm_hands_split_partials_to_the_norm(
     torch.testing.assert_close(got_h, want_h, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_add_rms_norm_reads_settled_inputs_and_launches_early_at_one_row(
+    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """The GEMV branch of linear_add_rms_norm hands the norm settled=True, and launch_next_early at one
+    row only."""
+    import ninfer.ops.triton.norm as norm
+
+    seen: list[dict[str, object]] = []
+    plain = norm.add_rms_norm_partials
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append({k: kwargs.get(k) for k in ("settled", "launch_next_early")})
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(norm, "add_rms_norm_partials", spy)
+    gen = torch.Generator().manual_seed(30 + rows)
+    act, w = torch.randn(rows, 40, generator=gen), torch.randn(33, 40, generator=gen) * 40**-0.5
+    residual, weight = torch.randn(rows, 33, generator=gen), torch.randn(33, generator=gen) * 0.1
+    monkeypatch.setattr(table, "_takes_skinny", lambda x, w: True)  # the GEMV branch at any row count
+
+    got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+
+    assert seen == [{"settled": True, "launch_next_early": rows == 1}]
+    want_h, want_x = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
 def _flagged_ops() -> list[tuple[ModuleType, str]]:
     import ninfer.ops.triton.attention_prologue as prologue
     import ninfer.ops.triton.norm as norm
@@ -251,18 +280,32 @@ def test_gdn_decode_matches_the_reference_step(
 ) -> None:
     """The fast GDN decode step from the layer input (which columns of the stacked projection are the
     conv input, z, b and a; the conv step's pool update) against the reference step, both pools included;
-    the conv kernel runs exactly when the GEMV's epilogue does not (one row, or no stacked rows)."""
-    from ninfer.ops.triton import conv_update
+    the conv kernel runs exactly when the GEMV's epilogue does not (one row, or no stacked rows). The conv
+    step, its epilogue form and the recurrence read their pools as settled, and launch the next kernel
+    early at one row only."""
+    from ninfer.ops.triton import conv_update, gdn_decode, skinny_gemm
     from ninfer.targets.qwen3_6.view import GdnLayerView
 
-    conv_kernel_calls = []
-    conv_kernel = conv_update.causal_conv1d_update_slots
+    flags: dict[str, list[object]] = {"conv": [], "recurrence": [], "epilogue": []}
+    conv_kernel, recurrence = conv_update.causal_conv1d_update_slots, gdn_decode.gdn_decode_step
+    gemv = skinny_gemm.skinny_linear
 
-    def counted_conv_kernel(*args: object, **kwargs: object) -> torch.Tensor:
-        conv_kernel_calls.append(1)
+    def conv_spy(*args: object, **kwargs: object) -> torch.Tensor:
+        flags["conv"].append((kwargs.get("settled"), kwargs.get("launch_next_early")))
         return conv_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(conv_update, "causal_conv1d_update_slots", counted_conv_kernel)
+    def recurrence_spy(*args: object, **kwargs: object) -> torch.Tensor:
+        flags["recurrence"].append((kwargs.get("settled"), kwargs.get("launch_next_early")))
+        return recurrence(*args, **kwargs)
+
+    def gemv_spy(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.get("conv") is not None:
+            flags["epilogue"].append(kwargs["conv"].settled)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(conv_update, "causal_conv1d_update_slots", conv_spy)
+    monkeypatch.setattr(gdn_decode, "gdn_decode_step", recurrence_spy)
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", gemv_spy)
 
     gen = torch.Generator().manual_seed(20 + rows)
     nk, nv, dk, dv, hidden, width, slots = 2, 4, 8, 8, 24, 4, 6
@@ -292,7 +335,13 @@ def test_gdn_decode_matches_the_reference_step(
     want_o, want_z = table.REFERENCE.gdn_decode(view, variant, x, want_conv, want_rec, batch)
     got_o, got_z = table._fast_gdn_decode(view, variant, x, conv_pool, rec_pool, batch)
 
-    assert len(conv_kernel_calls) == (0 if stacked and rows > 1 else 1)
+    epilogue = stacked and rows > 1
+    early = rows == 1
+    assert flags == {
+        "conv": [] if epilogue else [(True, early)],
+        "recurrence": [(True, early)],
+        "epilogue": [True] if epilogue else [],
+    }
 
     torch.testing.assert_close(got_z, want_z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_o, want_o, rtol=1e-4, atol=1e-5)

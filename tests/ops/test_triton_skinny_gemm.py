@@ -133,7 +133,7 @@ def test_partials_sum_to_the_reduced_projection_exactly(
 
 
 class _LaunchSpy:
-    """Stands in for the elementwise kernel: records each launch's EARLY_TILE, then launches it."""
+    """Stands in for the elementwise kernel: records each launch's EARLY_STEPS, then launches it."""
 
     def __init__(self, kernel: object) -> None:
         self.kernel, self.early = kernel, []

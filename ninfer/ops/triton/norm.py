@@ -22,12 +22,13 @@ projection): a row's address is outer * stride_outer + inner * stride_inner over
 view, the last dim contiguous. The launch shape depends only on static shapes: CUDA-graph capturable.
 
 Two launch options change when the kernel reads, never what it computes (`pdl`; both off by default):
-- `settled=True`: the norm weight is a bound weight and the residual was written two or more launches
-  back (the residual stream of an earlier block), so both load before the programmatic-launch wait, while
-  the previous kernel still runs. H200 graph replay, one process (`tools.ab_step`, 2026-11-30): 35B-A3B
-  B = 1 2.294 -> 2.253 ms, B = 8 5.920 -> 5.821 (the residual alone 0.05 ms of it: by then it has left L2).
-- `launch_next_early=True`: the next kernel may launch before this one waits (it must read nothing but
-  static weights and earlier steps' state before its own wait); the fast table asks for it at one row.
+- `settled=True`: the norm weight is a bound weight and the residual's writer finished before this
+  kernel can launch (`pdl`: the residual stream of an earlier block, four launches back in the model's
+  forward), so both load before the programmatic-launch wait, while the previous kernel still runs.
+  H200 graph replay, one process (`tools.ab_step`, 2026-11-30): 35B-A3B B = 1 2.294 -> 2.253 ms, B = 8
+  5.920 -> 5.821 (the residual alone 0.05 ms of it: by then it has left L2).
+- `launch_next_early=True`: the next kernel may launch before this one waits (what it may read before its
+  own wait: `pdl`); the fast table asks for it at one row.
 """
 
 from __future__ import annotations

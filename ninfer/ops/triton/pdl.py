@@ -8,24 +8,25 @@ Triton kernel here is launched with the programmatic-serialisation attribute and
 it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``), then lets the
 next kernel launch (``griddepcontrol.launch_dependents``), whose blocks are then scheduled while this
 one runs and wait in their own `enter`. Code before the wait runs while the previous kernel still does,
-so it may read only memory no earlier kernel can still be writing, and write nothing: static weights
-(`skinny_gemm`'s early tiles, the norms' weights), state pools written by an earlier step (the GDN
-recurrence and conv step), or data written two or more launches back (complete and flushed before the
-previous kernel passed its own wait, which comes before it let this one launch: the residual stream in
-`norm`; `moe_decode`'s early down kernel, which calls `wait` and `launch_dependents` itself). Results are
-unchanged. Kernels of other libraries (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph
-capture records the programmatic edges (CUDA 12.3+).
+so it may read only memory that is complete before this kernel can launch, and write nothing: static
+weights (`skinny_gemm`'s early tiles, the norms' weights), state pools written by an earlier step (the
+GDN recurrence and conv step), or data whose writer finished before the kernel ahead of this one passed
+its own wait (two launches back when that kernel launches this one after its wait, as `enter` does; three
+when it launches it early, below): the residual stream in `norm` (four launches back), the logits of
+`moe_decode`'s early down kernel (two). Results are unchanged. Kernels of other libraries (cuBLAS, torch)
+in between keep ordinary stream order. CUDA-graph capture records the programmatic edges (CUDA 12.3+).
 
 A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, the ops'
 ``launch_next_early=True``). The next kernel's code before its wait then runs while this one's
-predecessor may still run, so it must read nothing but static weights, earlier steps' state and data
-written before that predecessor started (the residual stream, four launches back). The fast table asks
-for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights load before its
-wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the attention prologue
--> split-KV attention -> merge -> output gate -> o_proj; a norm -> the next projection; the MoE down
-launch -> the norm): that GEMV's weights then stream while the small kernels before it run. At eight
-rows it was slower (docs/benchmarks.md, run 14's session): programs launched early hold SM slots that a
-multi-wave predecessor still needs.
+predecessor may still run (and, along a chain of such kernels, the predecessors up to the last kernel
+that launched its successor after its own wait), so it must read nothing but static weights, earlier
+steps' state and data complete before that kernel passed its wait (the norm after the MoE down launch:
+the residual stream, four launches back). The fast table asks for it in one-row decode only, along the
+chains that end in a one-wave GEMV whose weights load before its wait (35B-A3B at B = 1: the GDN conv
+step -> recurrence -> gated norm -> gdn_out; the attention prologue -> split-KV attention -> merge ->
+output gate -> o_proj; a norm -> the next projection; the MoE down launch -> the norm): that GEMV's
+weights then stream while the small kernels before it run. At eight rows it was 0.2 ms slower per
+35B-A3B step, for a reason not established (docs/benchmarks.md, run 14's session).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def wait(USE_PDL: tl.constexpr):
 
 @triton.jit
 def launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next kernel launch (after `wait`: the next kernel's reads before its own wait rely on it)."""
+    """Let the next kernel launch: after `wait` in `enter` (so that the next kernel's reads before its own
+    wait find everything up to this kernel's predecessor complete), before it in `launch_next`."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -64,9 +64,11 @@ class Kernels:
 
     What the fast table assumes of its callers (the model's forward keeps it): norm weights and projection
     weights are bound weights, never written; the residual given to `add_rms_norm` / `linear_add_rms_norm`
-    was written two or more launches earlier (an earlier block's norm); and whatever a norm, the gated
-    norm, the output gate, the conv step or the recurrence hands its output to is a projection or one of
-    these (they may let it launch before their own wait, `ninfer.ops.triton.pdl`).
+    was written three or more launches earlier (an earlier block's norm: four in the forward); and the
+    kernel launched after a norm, the gated norm, the attention prologue, decode attention, the output
+    gate, the conv step, the recurrence or the decode MoE block reads nothing before its own PDL wait but
+    bound weights, earlier steps' state and such a residual (at one row these let it launch before their
+    own wait, `ninfer.ops.triton.pdl`).
     """
 
     name: str
@@ -529,8 +531,8 @@ def _fast_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _fast_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The residual stream was written by an earlier block's norm, two or more launches back, and the norm
-    weight is bound: both load before the PDL wait (`norm`, ``settled``)."""
+    """The residual stream was written by an earlier block's norm, four launches back in the forward, and
+    the norm weight is bound: both load before the PDL wait (`norm`, ``settled``)."""
     from ninfer.ops.triton.norm import add_rms_norm
 
     return add_rms_norm(
