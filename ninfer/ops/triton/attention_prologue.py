@@ -102,8 +102,7 @@ def _qk_norm_rope_kv_write_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -152,8 +151,7 @@ def _sigmoid_gate_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     flat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # column of the [N, nH*D] output row
     mask = flat < NUM_HEADS * HEAD_DIM

@@ -118,9 +118,9 @@ def causal_conv1d_update_slots(
     starts from a zero window instead of reading state_in). Returns y [B, C] in x's dtype, equal to the
     reference `causal_conv1d_update(x, where(fresh, 0, conv_pool[state_in]), weight)[0]`, and leaves
     that call's new state in conv_pool[state_out]. `out` may supply y's buffer ([B, C], x's dtype, last
-    dim contiguous). `settled=True`: conv_pool and weight are not written by the kernel launched just
-    before this one (the pool written by an earlier step, a bound weight), so the old window and the
-    weights load before the programmatic-launch wait (`pdl`). `launch_next_early`: see `pdl`.
+    dim contiguous). `settled=True`: conv_pool and weight are complete before this kernel can launch
+    (the pool written by an earlier step, a bound weight; `pdl`), so the old window and the weights load
+    before the programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [B, C] with a contiguous last dim, got {tuple(x.shape)} {x.stride()}")

@@ -189,9 +189,9 @@ def gdn_decode_step(
     row starts from the zero state instead of its slot's (a sequence's first token).
     Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
     With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
-    `settled=True`: rec_pool, A_log and dt_bias are not written by the kernel launched just before this
-    one (a bound weight; the pool written by an earlier step), so the state tile and the gating
-    parameters load before the programmatic-launch wait (`pdl`). `launch_next_early`: see `pdl`.
+    `settled=True`: rec_pool, A_log and dt_bias are complete before this kernel can launch (bound weights;
+    the pool written by an earlier step; `pdl`), so the state tile and the gating parameters load before
+    the programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
     squeeze_tokens = q.dim() == 3
     q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)

@@ -136,8 +136,7 @@ def _gated_rms_norm_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask_n = cols < n

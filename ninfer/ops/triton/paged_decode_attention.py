@@ -61,8 +61,7 @@ def _paged_decode_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,8 +135,7 @@ def _merge_splits_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

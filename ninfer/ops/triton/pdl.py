@@ -16,17 +16,18 @@ when it launches it early, below): the residual stream in `norm` (four launches 
 `moe_decode`'s early down kernel (two). Results are unchanged. Kernels of other libraries (cuBLAS, torch)
 in between keep ordinary stream order. CUDA-graph capture records the programmatic edges (CUDA 12.3+).
 
-A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, the ops'
-``launch_next_early=True``). The next kernel's code before its wait then runs while this one's
-predecessor may still run (and, along a chain of such kernels, the predecessors up to the last kernel
-that launched its successor after its own wait), so it must read nothing but static weights, earlier
-steps' state and data complete before that kernel passed its wait (the norm after the MoE down launch:
-the residual stream, four launches back). The fast table asks for it in one-row decode only, along the
-chains that end in a one-wave GEMV whose weights load before its wait (35B-A3B at B = 1: the GDN conv
-step -> recurrence -> gated norm -> gdn_out; the attention prologue -> split-KV attention -> merge ->
-output gate -> o_proj; a norm -> the next projection; the MoE down launch -> the norm): that GEMV's
-weights then stream while the small kernels before it run. At eight rows it was 0.2 ms slower per
-35B-A3B step, for a reason not established (docs/benchmarks.md, run 14's session).
+A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, or
+`enter_launching_next` where nothing loads before the wait; the ops' ``launch_next_early=True``). The
+next kernel's code before its wait then runs while this one's predecessor may still run (and, along a
+chain of such kernels, the predecessors up to the last kernel that launched its successor after its own
+wait), so it must read nothing but static weights, earlier steps' state and data complete before that
+kernel passed its wait (the norm after the MoE down launch: the residual stream, four launches back). The
+fast table asks for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights
+load before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the
+attention prologue -> split-KV attention -> merge -> output gate -> o_proj; a norm -> the next
+projection; the MoE down launch -> the norm): that GEMV's weights then stream while the small kernels
+before it run. At eight rows it was 0.2 ms slower per 35B-A3B step, for a reason not established
+(docs/benchmarks.md, run 14's session).
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "LAUNCH", "enter", "enter_after", "launch_dependents", "launch_next", "wait"]
+__all__ = [
+    "ENABLED",
+    "LAUNCH",
+    "enter",
+    "enter_after",
+    "enter_launching_next",
+    "launch_dependents",
+    "launch_next",
+    "wait",
+]
 
 
 def _enabled() -> bool:
@@ -84,6 +94,14 @@ def launch_next(LAUNCH_NEXT_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
     """A kernel's first statement when it may let the next one launch before its own wait."""
     if LAUNCH_NEXT_EARLY:
         launch_dependents(USE_PDL)
+
+
+@triton.jit
+def enter_launching_next(LAUNCH_NEXT_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    """`enter` of a kernel that loads nothing before its wait; with LAUNCH_NEXT_EARLY it lets the next
+    kernel launch first."""
+    launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
 
 
 @triton.jit

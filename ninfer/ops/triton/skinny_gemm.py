@@ -162,9 +162,9 @@ class ConvStep:
     `conv_update.causal_conv1d_update_slots` does to the projection's first C columns. pool [S, C, K-1]
     contiguous, weight [C, K], state_in / state_out [M] integer slots, fresh [M] bool, all on x's device.
     As there, slots written by one row must not be read or written by another row (state_out may equal
-    the row's own state_in). settled: pool and weight are not written by the kernel launched just before
-    (the pool by an earlier step, a bound weight), so the old windows and the conv weights load before
-    the PDL wait (`pdl`): H200 35B-A3B B = 8 graph replay 5.845 -> 5.833 ms (`tools.ab_step`, 2026-11-30).
+    the row's own state_in). settled: pool and weight are complete before the GEMV can launch (the
+    pool written by an earlier step, a bound weight; `pdl`), so the old windows and the conv weights load
+    before the PDL wait: H200 35B-A3B B = 8 graph replay 5.845 -> 5.833 ms (`tools.ab_step`, 2026-11-30).
     """
 
     pool: torch.Tensor
