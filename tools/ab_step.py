@@ -18,11 +18,8 @@ import statistics
 
 import torch
 
-from ninfer.targets.qwen3_6.binder import random_model_view
-from ninfer.targets.qwen3_6.kernels import select_kernels
-from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
-from ninfer.targets.registry import get_package
-from tools.profile_step import graph_time_ms, make_batch
+from ninfer.targets.qwen3_6.model import StepBatch, forward
+from tools.profile_step import PAGE_SIZE, graph_time_ms, make_batch, synthetic_decode_setup
 
 _READ_AT_IMPORT = {"NINFER_PDL"}  # switches fixed when the op modules are imported
 
@@ -40,18 +37,13 @@ def main() -> None:
     if name in _READ_AT_IMPORT or len(settings) < 2:
         parser.error(f"--env {args.env!r}: need NAME=A,B with NAME read while tracing ({name} is not)")
     device = torch.device("cuda")
-    variant = get_package(args.package).variant
-    view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
-    kernels = select_kernels(device, "fast")
     batches = [int(b) for b in args.batch.split(",")]
-    page_size, b_max = 64, max(batches)
-    store = StateStore.allocate(variant, 2 * b_max, b_max * -(-args.context // page_size), page_size,
-                                torch.bfloat16, device)  # fmt: skip
+    variant, view, kernels, store = synthetic_decode_setup(args.package, batches, args.context)
     times: dict[tuple[int, str], list[float]] = {(b, s): [] for b in batches for s in settings}
     with torch.inference_mode():
         for _ in range(args.rounds):
             for b in batches:
-                batch = make_batch(b, 1, args.context, page_size, device)
+                batch = make_batch(b, 1, args.context, PAGE_SIZE, device)
                 for setting in settings:
                     os.environ[name] = setting
 

@@ -73,6 +73,21 @@ def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.
     )
 
 
+PAGE_SIZE = 64
+
+
+def synthetic_decode_setup(package: str, batches: list[int], context: int):  # noqa: ANN201
+    """(variant, view, fast kernels, store) for decode steps of up to max(batches) rows at ``context``:
+    random bf16 weights of the package's exact dims on CUDA, KV pages of PAGE_SIZE positions."""
+    device = torch.device("cuda")
+    variant = get_package(package).variant
+    view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
+    b_max = max(batches)
+    store = StateStore.allocate(variant, 2 * b_max, b_max * -(-context // PAGE_SIZE), PAGE_SIZE,
+                                torch.bfloat16, device)  # fmt: skip
+    return variant, view, select_kernels(device, "fast"), store
+
+
 def profile(fn, steps: int = 3) -> dict[str, float]:
     """Kernel time per class (microseconds per call) over ``steps`` calls."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -6,24 +6,57 @@ carry distinct H/W positions from the frontend's rope index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["mrope_inv_freq", "mrope_cos_sin", "apply_partial_rope"]
 
 
+_CONSTANTS: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+Builder = Callable[[], torch.Tensor]
+
+
+def _constant(key: tuple[object, ...], device: torch.device, build: Builder) -> torch.Tensor:
+    """A small constant tensor, built once per key and device and shared (read-only): rebuilt per step it
+    would be a handful of kernels at the head of every decode graph. Never cached when first built inside
+    a CUDA-graph capture, where its values would exist only once the graph replays."""
+    key = (*key, device)
+    cached = _CONSTANTS.get(key)
+    if cached is not None:
+        return cached
+    with torch.inference_mode(False):  # a plain tensor, usable outside inference mode too
+        built = build()
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _CONSTANTS[key] = built
+    return built
+
+
 def mrope_inv_freq(rotary_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """inv_freq_j = theta^(-2j / rotary_dim) for j < rotary_dim / 2, fp32, computed as HF does."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
-    return 1.0 / (theta**exponents)
+    """inv_freq_j = theta^(-2j / rotary_dim) for j < rotary_dim / 2, fp32, computed as HF does (a shared
+    constant: do not write to it)."""
+    device = torch.device(device if device is not None else "cpu")
+
+    def build() -> torch.Tensor:
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+        return 1.0 / (theta**exponents)
+
+    return _constant(("inv_freq", rotary_dim, float(theta)), device, build)
 
 
 def _axis_of_frequency(half: int, mrope_section: tuple[int, int, int], device: torch.device) -> torch.Tensor:
     """Which position row (0 = T, 1 = H, 2 = W) drives each frequency under interleaved M-RoPE."""
-    j = torch.arange(half, device=device)
-    axis = torch.zeros(half, dtype=torch.long, device=device)
-    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    return axis
+
+    def build() -> torch.Tensor:
+        j = torch.arange(half, device=device)
+        axis = torch.zeros(half, dtype=torch.long, device=device)
+        axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+        return axis
+
+    return _constant(("axis", half, tuple(mrope_section)), device, build)
 
 
 def mrope_cos_sin(

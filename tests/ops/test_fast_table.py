@@ -87,6 +87,18 @@ def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: Modul
     torch.testing.assert_close(table._fast_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_logits_are_the_reference_logits(table: ModuleType) -> None:
+    """One row through the GEMV's fp32 output, more rows through cuBLAS and the cast: both equal the
+    reference's `F.linear(x, w).float()` in fp16 (the GEMV's sum order aside)."""
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 3):
+        x, w = torch.randn(rows, 40, generator=gen).half(), torch.randn(33, 40, generator=gen).half()
+        got = table._fast_logits(x, w)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, table._reference_logits(x, w), rtol=2e-3, atol=2e-3)
+        assert torch.equal(got, got.half().float())  # the fp16 result widened, not an fp32 sum
+
+
 def test_attention_output_gate_matches_the_reference(table: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, d, n = 2, 1, 8, 3

@@ -156,7 +156,8 @@ def test_early_first_tile_gives_the_same_bits(
     """One row of a static weight in one wave: the first weight tiles (up to _EARLY_STEPS_MAX) loaded
     before the PDL wait and their steps peeled off the loop add the same products in the same order as
     the plain loop (bit-equal), single-step splits, K < block_k, more steps than the cap and unrolled
-    steps included; a weight not marked static never loads early."""
+    steps included; a weight not marked static never loads early; in more than one wave only programs
+    whose whole K range fits in the cap load early."""
     block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
     config = kernels.SkinnyConfig(
         block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
@@ -173,9 +174,28 @@ def test_early_first_tile_gives_the_same_bits(
     too_many = kernels.skinny_linear(x, w, config=config, static_weight=True)
 
     steps_per_split = math.ceil(math.ceil(k / split_k) / block_k)  # whole steps per split, as the host
-    assert spy.early == [min(kernels._EARLY_STEPS_MAX, steps_per_split), 0, 0]
+    capped = min(kernels._EARLY_STEPS_MAX, steps_per_split)
+    whole = steps_per_split if steps_per_split <= kernels._EARLY_STEPS_MAX else 0
+    assert spy.early == [capped, 0, whole]
     assert torch.equal(early, plain) and torch.equal(too_many, plain)
     torch.testing.assert_close(early.float(), F.linear(x.float(), w.float()), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("config_name", ["fma", "fma-unroll", "fma-split-uneven", "dot", "dot-split"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_float32_out_holds_the_rounded_projection(kernels: ModuleType, config_name: str, rows: int) -> None:
+    """An fp32 ``out`` of an fp16 projection (the logits) holds exactly `skinny_linear(x, w).float()`: the
+    result rounded to x's dtype, then widened, split-K's reduce launch included."""
+    block_n, block_k, split_k, use_dot, unroll = INTERPRETER_CONFIGS[config_name]
+    config = kernels.SkinnyConfig(
+        block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, unroll=unroll
+    )
+    gen = torch.Generator().manual_seed(rows + split_k)
+    x, w = torch.randn(rows, 40, generator=gen).half(), torch.randn(33, 40, generator=gen).half()
+    out = torch.full((rows, 33), float("nan"))
+    got = kernels.skinny_linear(x, w, out=out, config=config, static_weight=True)
+    assert got is out
+    assert torch.equal(out, kernels.skinny_linear(x, w, config=config).float())
 
 
 def test_empty_projections_launch_nothing(kernels: ModuleType) -> None:
@@ -202,6 +222,9 @@ def test_skinny_linear_rejects_bad_inputs(kernels: ModuleType) -> None:
         kernels.skinny_linear(torch.randn(1, 15), w)
     with pytest.raises(ValueError, match="out must be"):
         kernels.skinny_linear(torch.randn(1, 16), w, out=torch.empty(1, 9))
+    with pytest.raises(ValueError, match="out must be"):
+        bf16_out = torch.empty(1, 8, dtype=torch.bfloat16)
+        kernels.skinny_linear(torch.randn(1, 16).half(), w.half(), out=bf16_out)
     with pytest.raises(ValueError, match="dot kernel needs"):
         kernels.skinny_linear(torch.randn(1, 16), w, config=kernels.SkinnyConfig(block_n=8, use_dot=True))
 

@@ -15,6 +15,8 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
   and `sigmoid_gate` (the attention output gate read in place from the projection output).
 - skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).
+- rope: `mrope_cos_sin`, the M-RoPE cos/sin tables in one launch.
+- argmax: `argmax_rows`, the greedy draw over the vocabulary at the end of a decode graph.
 - pdl: programmatic dependent launch, the prologue of every kernel here.
 
 Import the submodule you need; importing this package does not import triton.

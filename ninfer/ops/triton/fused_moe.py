@@ -175,8 +175,21 @@ def check_powers_of_two(config: object) -> None:
 # flight. The H200 sweep (`python3 -m tools.kernel_bench.fused_moe --sweep`, 2026-11-30, graph replay of
 # both launches) preferred one whole-H step per gate_up program and one hidden row per down program over
 # all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3; keyed by T*K <= 16, i.e. T <= 2 at
-# Qwen3.6's K = 8); from T = 4 the default led or tied.
+# Qwen3.6's K = 8); from T = 4 the default led or tied. Re-timed inside the whole 35B-A3B decode graph at
+# T = 8 (`tools.ab_step`, 2026-11-30), the down launch's 4 hidden rows x 4 experts over 256 of I per step
+# instead of 512 (two steps, half the registers): 5.832 -> 5.751 ms (2 x 512: 5.932, 8 x 512: 5.944, 8
+# experts a step: 6.228, 2: 5.843). At T = 1 (the early down launch, `moe_decode`), 4 hidden rows a program
+# over 4 warps instead of 1 over 2 (a quarter of the programs, each with all 8 experts' rows before its
+# wait): 2.067 -> 2.008 and 2.043 -> 2.010 ms in two calls (4 x 256: 1.999, 2 x 512: 2.037 and 2.122 with
+# 4 warps, 8 x 512: 2.043, 1 x 512 with 4 warps: 2.145).
 _DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
+    (
+        8,
+        FusedMoeDecodeConfig(
+            gate_up_block_n=2, gate_up_block_k=2048, gate_up_warps=4,
+            down_block_h=4, down_block_i=512, down_experts=8, down_warps=4,
+        ),
+    ),  # fmt: skip
     (
         16,
         FusedMoeDecodeConfig(
@@ -184,7 +197,7 @@ _DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
             down_block_h=1, down_block_i=512, down_experts=8, down_warps=2,
         ),
     ),  # fmt: skip
-    (1 << 62, FusedMoeDecodeConfig()),
+    (1 << 62, FusedMoeDecodeConfig(down_block_i=256)),
 )
 
 

@@ -54,8 +54,9 @@ __all__ = ["RoutedGateUpConfig", "default_gate_up_config", "moe_decode_block", "
 _MAX_EXPERTS = 1024  # one [BLOCK_E] int64 key tile per program
 _MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
 # Down-row bytes per thread the early down kernel may hold across its PDL wait: all of its tiles at the
-# default down tiles of T = 1 and T = 8 (144 and 288 bytes at Qwen3.6's shapes), else only the first I-step
-# of the first expert group and the shared expert's (tiles the two-launch kernel has in flight at once too).
+# default down tiles of T = 1 (288 bytes at Qwen3.6's shapes: 4 hidden rows of 8 experts and the shared
+# one over 4 warps), else only the first I-step of the first expert group and the shared expert's (tiles
+# the two-launch kernel has in flight at once too).
 _MAX_PRELOAD_BYTES = 288
 EARLY_DOWN_MAX_PAIRS = 8  # the early down launch by default: one token (faster at T = 1, slower at T = 8)
 
@@ -79,9 +80,13 @@ class RoutedGateUpConfig:
 # replay of the stacked GEMV + both launches): at T = 1 one block of 2 columns over the whole H per program
 # (29.0 us against 32.8 for the ticket-counter routing + fused_moe), at T = 8 the same tile with 4 blocks
 # per program (106.6 against 114.6 us; one block per program: 112.9), so that the 4608 programs' repeated
-# ranking shrinks to one wave's worth. Not timed: T = 2 (16 pairs, the T = 1 tiles) and T = 3..4 (2 blocks
+# ranking shrinks to one wave's worth. Re-timed inside the whole 35B-A3B decode graph (`tools.ab_step`,
+# 2026-11-30), T = 1 takes 2 blocks per program: 2.124 -> 2.089 and 2.104 -> 2.092 ms in two calls (4 blocks:
+# 2.169, 8: 2.294; 8 warps 2.336; one column 2.272); at T = 8, 8 blocks 6.015 against 5.846 ms, 2 blocks of
+# 4 columns 5.828 (within noise, not taken). Not timed: T = 2 (16 pairs, one block) and T = 3..4 (2 blocks
 # per program).
 _GATE_UP_CONFIGS: tuple[tuple[int, RoutedGateUpConfig], ...] = (
+    (8, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
     (16, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=1, warps=4)),
     (32, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
     (1 << 62, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=4, warps=4)),

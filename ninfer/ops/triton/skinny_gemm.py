@@ -101,8 +101,8 @@ class SkinnyConfig:
 # gdn_in x1.03, mlp_down x1.06, lm_head x1.10, while attn_qkv, attn_o, gdn_out and mlp_gate_up were
 # 0.95-1.0x there and stay cuBLAS. Loading every program's first weight tile before the PDL wait (into
 # registers or as an L2 prefetch) measured slower on the H200 for the multi-wave 27B launches (27B B = 1
-# replay 13.43 -> 13.60 ms with the prefetch, 14.9 ms bench with the register tile); only one-wave launches
-# do it (`_EARLY_TILE_WARPS_PER_SM`).
+# replay 13.43 -> 13.60 ms with the prefetch, 14.9 ms bench with the register tile, an older 4 x 512 tile
+# with two steps a trip); only the launches below do it.
 # A one-row launch of static weights (`static_weight=True`: bound weights, never written) whose programs hold
 # at most this many warps per SM (half of Hopper's 64: the one-row tiles' 4-warp programs, 8 to an SM, one
 # wave) loads each program's first weight tile before its PDL wait: in one wave no program holding a tile
@@ -111,6 +111,11 @@ class SkinnyConfig:
 # _EARLY_STEPS_MAX tiles: the whole row slice of those projections (16 KB per program, 32 registers a
 # thread), which streams while the small kernels before them run when the fast table lets them launch
 # early (`pdl`, one row): 35B-A3B B = 1 2.212 -> 2.150 ms with the early launches (one tile: 2.193).
+# A multi-wave one-row launch whose programs' whole K range is at most _EARLY_STEPS_MAX tiles loads it all
+# before the wait too, with no more registers than its loop holds (35B-A3B gdn_in and attn_qkv, K = 2048 in
+# two tiles: the first wave's rows stream while the norm before them runs; later waves start after the
+# wait anyway): 2.127 -> 2.102 ms (three rounds, 2026-11-30). 27B (K = 5120, five tiles) with its first four
+# early: 12.884 -> 12.868 ms, within noise and 16 more registers a thread, so not taken.
 _EARLY_TILE_WARPS_PER_SM = 32
 _EARLY_STEPS_MAX = 4
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
@@ -134,15 +139,20 @@ _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 1280, 2048): _ONE_ROW,
     (1, 2048, 512): SkinnyConfig(block_n=8, block_k=512, num_warps=4, unroll=1, **_FMA),
     (1, 248320, 2048): SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
-    (8, 2048, 4096): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, **_DOT),
+    (8, 2048, 4096): SkinnyConfig(block_n=64, block_k=256, split_k=4, num_stages=3, **_DOT),
     (8, 1280, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, **_DOT),
     (8, 2048, 512): SkinnyConfig(block_n=64, block_k=128, num_stages=6, **_DOT),
     (8, 248320, 2048): SkinnyConfig(block_n=64, block_k=128, num_stages=4, **_DOT),
     # 35B-A3B eight-row attn_qkv and gdn_in timed in a chain of 16 (`skinny_chain --rows 8`, 2026-11-30):
     # 12.16 us against cuBLAS 12.59; 14.49 against 16.12 for the untuned 64-column tile (this projection
-    # runs the kernel anyway, for its conv epilogue) and 16.67 for cuBLAS
-    (8, 9216, 2048): SkinnyConfig(block_n=32, block_k=128, num_stages=4, **_DOT),
-    (8, 12352, 2048): SkinnyConfig(block_n=32, block_k=128, num_stages=4, **_DOT),
+    # runs the kernel anyway, for its conv epilogue) and 16.67 for cuBLAS. Then re-timed inside the whole
+    # decode graph at B = 8 (`tools.ab_step`, 2026-11-30, medians of 2-3 rounds): gdn_in 32 x 256 in 3
+    # stages 5.835 -> 5.805 ms and 5.823 -> 5.789 (two calls; 64 x 256: 6.031, 32 x 512: 5.878, 16 x 128:
+    # 5.910); attn_qkv 64 x 128 5.807 -> 5.768 (32 x 256: 5.787); attn_o / gdn_out split 4 of 64 x 256 in 3
+    # stages 5.807 -> 5.776 (split 2: 5.831, 32 x 128: 5.796, 128 x 128: 5.802); the router + shared input
+    # kept (5.814 and 5.878 for the two tried)
+    (8, 9216, 2048): SkinnyConfig(block_n=64, block_k=128, num_stages=4, **_DOT),
+    (8, 12352, 2048): SkinnyConfig(block_n=32, block_k=256, num_stages=3, **_DOT),
 }
 
 
@@ -270,7 +280,7 @@ def _skinny_fma_kernel(
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
     HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_SETTLED: tl.constexpr,
-    EARLY_STEPS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_STEPS: tl.constexpr, ROUND_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -321,7 +331,10 @@ def _skinny_fma_kernel(
                 )
                 xs = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
                 acc += w.to(tl.float32) * xs.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+        y = tl.sum(acc, axis=1)
+        if ROUND_OUT:  # a wider output holds the x-dtype result (`skinny_linear`'s out)
+            y = y.to(x_ptr.dtype.element_ty)
+        y = y.to(out_ptr.dtype.element_ty)
         if HAS_CONV:
             y = tl.sum(
                 _conv_epilogue(
@@ -346,7 +359,10 @@ def _skinny_fma_kernel(
                 )
                 xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 acc3 += w.to(tl.float32)[None, :, :] * xs.to(tl.float32)[:, None, :]
-        y2 = tl.sum(acc3, axis=2).to(out_ptr.dtype.element_ty)
+        y2 = tl.sum(acc3, axis=2)
+        if ROUND_OUT:
+            y2 = y2.to(x_ptr.dtype.element_ty)
+        y2 = y2.to(out_ptr.dtype.element_ty)
         if HAS_CONV:
             y2 = _conv_epilogue(
                 y2, conv_state, conv_weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n, mask_n,
@@ -364,7 +380,7 @@ def _skinny_dot_kernel(
     conv_channels, conv_w_stride_c, conv_w_stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BLOCK: tl.constexpr, CONV_SETTLED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROUND_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     if not (HAS_CONV and CONV_SETTLED):
         pdl.enter(USE_PDL)
@@ -399,7 +415,10 @@ def _skinny_dot_kernel(
         )
         xs = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(xs), acc, input_precision=DOT_PRECISION)
-    y = tl.trans(acc).to(out_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if ROUND_OUT:  # a wider output holds the x-dtype result (`skinny_linear`'s out)
+        y = y.to(x_ptr.dtype.element_ty)
+    y = y.to(out_ptr.dtype.element_ty)
     if HAS_CONV:
         y = _conv_epilogue(
             y, conv_state, conv_weight, conv_pool_ptr, state_out_ptr, offs_m, mask_m, offs_n, mask_n,
@@ -413,11 +432,13 @@ def _skinny_dot_kernel(
 def _split_k_reduce_kernel(
     partial_ptr,
     out_ptr,
+    x_ptr,
     N,
     stride_om,
     stride_os,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROUND_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl.enter(USE_PDL)
@@ -427,6 +448,8 @@ def _split_k_reduce_kernel(
     total = tl.load(partial_ptr + row * N + offs, mask=mask, other=0.0)
     for split in tl.static_range(1, SPLIT_K):  # fixed order from slab 0: the same sum on every run
         total += tl.load(partial_ptr + split * stride_os + row * N + offs, mask=mask, other=0.0)
+    if ROUND_OUT:
+        total = total.to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -472,17 +495,19 @@ def skinny_linear(
 
     x and w share a dtype (bf16, fp16 or fp32); w [N, K] must have a unit stride along K (a row block of a
     stacked buffer is fine); x may have any row stride (a column slice is fine). ``out`` may supply the
-    [M, N] result buffer (x's dtype, unit stride along N). ``config`` overrides `default_config(M, N, K)`.
+    [M, N] result buffer (unit stride along N): x's dtype, or float32 to hold the x-dtype result widened
+    (`F.linear(x, w).float()` in one launch: the logits). ``config`` overrides `default_config(M, N, K)`.
     ``conv`` applies that GDN conv step to the first C columns (see `ConvStep`); it needs the whole K in one
     program, so a split-K config is run unsplit. ``static_weight``: w is never written (a bound weight, not
-    the output of an earlier kernel), so a one-wave launch may read it before its PDL wait.
+    the output of an earlier kernel), so a one-row launch may read it before its PDL wait (see
+    `_EARLY_STEPS_MAX`).
     """
     x, out, config, conv_launch = _prepare(x, w, out, config, conv)
     if out.numel() == 0 or x.shape[1] == 0:
         return out
     partials = _project(x, w, out, config, conv_launch, static_weight)
     if partials is not out:
-        _reduce_partials(partials, out)
+        _reduce_partials(partials, out, x)
     return out
 
 
@@ -523,8 +548,10 @@ def _prepare(
         x = x.contiguous()
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
-        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a unit stride along N")
+    elif out.shape != (m, n) or out.dtype not in (x.dtype, torch.float32) or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} or float32 with a unit stride along N")
+    if conv is not None and out.dtype != x.dtype:
+        raise ValueError(f"the conv step writes its output in x's dtype {x.dtype}, got out {out.dtype}")
     conv_launch = _conv_launch_args(conv, x, m, n)  # its checks too, before anything is launched
     if k == 0 and conv is not None and m and n:
         raise ValueError("the conv step needs K >= 1 (a projection to convolve)")
@@ -558,6 +585,7 @@ def _project(
     else:
         target, stride_om, stride_os = out, out.stride(0), 0
     grid = (triton.cdiv(n, config.block_n), split_k)
+    round_out = split_k == 1 and out.dtype != x.dtype  # a float32 out of a narrower x: x's rounding first
     args = (x, w, target, m, n, k, k_per_split, x.stride(0), w.stride(0), stride_om, stride_os, *conv_args)
     conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # conv width 1: no conv step
                     "CONV_BLOCK": triton.next_power_of_2(conv_kernel),
@@ -565,33 +593,31 @@ def _project(
     if config.use_dot:
         _skinny_dot_kernel[grid](
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **conv_options,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **conv_options, ROUND_OUT=round_out,
             num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
-        # one wave of one-row programs: each loads its first weight tiles before its PDL wait
-        early = (
-            static_weight
-            and m == 1
-            and conv_kernel == 1
-            and grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
-        )
-        early_steps = min(_EARLY_STEPS_MAX, triton.cdiv(k_per_split, config.block_k)) if early else 0
+        # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
+        # or where a program's whole K range is that many tiles (no more registers than its loop holds)
+        steps = triton.cdiv(k_per_split, config.block_k)
+        one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
+        early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)
+        early_steps = min(_EARLY_STEPS_MAX, steps) if early else 0
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            UNROLL=config.unroll, **conv_options, EARLY_STEPS=early_steps,
+            UNROLL=config.unroll, **conv_options, EARLY_STEPS=early_steps, ROUND_OUT=round_out,
             num_warps=config.num_warps, num_stages=config.num_stages,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     return target
 
 
-def _reduce_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
-    """out [M, N] <- the slab-order fp32 sum of partials [S, M, N], rounded to out's dtype."""
+def _reduce_partials(partials: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> None:
+    """out [M, N] <- the slab-order fp32 sum of partials [S, M, N], rounded to x's dtype (then out's)."""
     split_k, m, n = partials.shape
     block = min(1024, triton.next_power_of_2(n))
     _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-        partials, out, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4,
-        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
+        partials, out, x, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block,
+        ROUND_OUT=out.dtype != x.dtype, num_warps=4, USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip

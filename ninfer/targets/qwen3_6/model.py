@@ -26,7 +26,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.rope import mrope_cos_sin
 from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels, gdn_in_projection, gdn_split_heads, qkv_heads
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import (
@@ -215,7 +214,9 @@ def forward(
         x = batch.inputs_embeds.to(text.embed.dtype)
     else:
         x = F.embedding(batch.token_ids, text.embed)
-    cos, sin = mrope_cos_sin(batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section)
+    cos, sin = kernels.mrope_cos_sin(
+        batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section
+    )
     eps = variant.rms_norm_eps
     h = kernels.rms_norm(x, text.layers[0].input_norm, eps)
     for i, layer in enumerate(text.layers):
@@ -225,13 +226,13 @@ def forward(
 
     if logits == "none":
         return ForwardOutput(hidden=hidden, logits=None)
-    if logits == "last":
-        selected = hidden.index_select(0, batch.query_start[1:].long() - 1)
+    if logits == "last":  # one token per row: every row is its own last (no gather launch)
+        selected = hidden if batch.is_decode else hidden.index_select(0, batch.query_start[1:].long() - 1)
     elif logits == "all":
         selected = hidden
     else:
         raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
-    return ForwardOutput(hidden=hidden, logits=kernels.linear(selected, text.lm_head).float())
+    return ForwardOutput(hidden=hidden, logits=kernels.logits(selected, text.lm_head))
 
 
 def _layer_blocks(

@@ -10,9 +10,10 @@ and page ids are data, never part of the key, so one graph per ``B`` serves ever
 Graphs share one memory pool and are captured once, at Program construction (warmup), never on the
 request path.
 
-Each graph ends with the argmax of its logits: rows that all decode greedily, without penalties or
-log-probs, take their tokens from it and skip the sampler's launches after the replay (steps that still
-run the sampler pay for one unused argmax over the vocabulary inside the graph).
+Each graph ends with the argmax of its logits (``argmax``, the op table's): rows that all decode
+greedily, without penalties or log-probs, take their tokens from it and skip the sampler's launches after
+the replay (steps that still run the sampler pay for one unused argmax over the vocabulary inside the
+graph).
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ class _Graph:
 class DecodeGraphs:
     """Captured decode steps keyed by exact ``B``; `run` replays the one for the step's B."""
 
-    def __init__(self, fn: DecodeFn, max_batch: int, device: torch.device, scratch_slot: int) -> None:
+    def __init__(
+        self,
+        fn: DecodeFn,
+        max_batch: int,
+        device: torch.device,
+        scratch_slot: int,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1),
+    ) -> None:
         self._graphs: dict[int, _Graph] = {}
         self.replays: dict[int, int] = {}  # B -> replay count (observability; tests read it)
         self._pool = torch.cuda.graph_pool_handle()
@@ -58,7 +66,7 @@ class DecodeGraphs:
                     fn(g.inputs)
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
                     g.logits = fn(g.inputs)
-                    g.greedy = g.logits.argmax(dim=-1)
+                    g.greedy = argmax(g.logits)
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 

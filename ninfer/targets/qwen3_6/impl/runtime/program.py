@@ -230,7 +230,9 @@ class Qwen36Program:
         self._ahead: _Ahead | None = None
         self.lookahead = {"taken": 0, "dropped": 0}  # lookahead units (observability; tests read it)
         if config.cuda_graphs and config.device.type == "cuda":
-            self._graphs = DecodeGraphs(self._decode_logits, n, config.device, scratch_slot=0)
+            self._graphs = DecodeGraphs(
+                self._decode_logits, n, config.device, scratch_slot=0, argmax=self.kernels.argmax
+            )
 
     # ---- static facts ---------------------------------------------------------------------------
     @property
