@@ -39,7 +39,7 @@ def kernel_events(trace_path: str) -> list[dict]:
         args = event.get("args", {})
         grid = tuple(args.get("grid", ()))
         kernels.append({
-            "name": event["name"][:60],
+            "name": event["name"][:120],
             "grid": grid,
             "start": float(event["ts"]),
             "end": float(event["ts"]) + float(event["dur"]),

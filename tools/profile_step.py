@@ -76,8 +76,8 @@ def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.
 PAGE_SIZE = 64
 
 
-def synthetic_decode_setup(package: str, batches: list[int], context: int):  # noqa: ANN201
-    """(variant, view, fast kernels, store) for decode steps of up to max(batches) rows at ``context``:
+def synthetic_decode_setup(package: str, batches: list[int], context: int, kernels: str = "fast"):  # noqa: ANN201
+    """(variant, view, kernels, store) for steps of up to max(batches) rows of up to ``context`` positions:
     random bf16 weights of the package's exact dims on CUDA, KV pages of PAGE_SIZE positions."""
     device = torch.device("cuda")
     variant = get_package(package).variant
@@ -85,7 +85,7 @@ def synthetic_decode_setup(package: str, batches: list[int], context: int):  # n
     b_max = max(batches)
     store = StateStore.allocate(variant, 2 * b_max, b_max * -(-context // PAGE_SIZE), PAGE_SIZE,
                                 torch.bfloat16, device)  # fmt: skip
-    return variant, view, select_kernels(device, "fast"), store
+    return variant, view, select_kernels(device, kernels), store
 
 
 def profile(fn, steps: int = 3) -> dict[str, float]:
@@ -158,14 +158,12 @@ def main() -> None:
     parser.add_argument("--prefill-detail", action="store_true", help="host syncs and per-op device time")
     args = parser.parse_args()
     device = torch.device("cuda")
-    variant = get_package(args.package).variant
-    view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
-    kernels = select_kernels(device, args.kernels)
     batches = [int(b) for b in args.batch.split(",")]
     prefills = [int(n) for n in args.prefill.split(",")]
-    page_size, b_max = 64, max(batches)
-    pages = b_max * -(-max(args.context, *prefills) // page_size)
-    store = StateStore.allocate(variant, 2 * b_max, pages, page_size, torch.bfloat16, device)
+    variant, view, kernels, store = synthetic_decode_setup(
+        args.package, batches, max(args.context, *prefills), args.kernels
+    )
+    page_size = PAGE_SIZE
     report: dict = {"package": args.package, "kernels": kernels.name, "decode": {}, "prefill": {}}
     with torch.inference_mode():
         for b in batches:

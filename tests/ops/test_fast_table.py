@@ -88,8 +88,9 @@ def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: Modul
 
 
 def test_logits_are_the_reference_logits(table: ModuleType) -> None:
-    """One row through the GEMV's fp32 output, more rows through cuBLAS and the cast: both equal the
-    reference's `F.linear(x, w).float()` in fp16 (the GEMV's sum order aside)."""
+    """One row through the GEMV's fp32 output (the fp16 result widened, not an fp32 sum), three rows
+    (no tuned tile at these dims) through F.linear and the cast: both the reference's
+    `F.linear(x, w).float()` in fp16, the GEMV's sum order aside."""
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 3):
         x, w = torch.randn(rows, 40, generator=gen).half(), torch.randn(33, 40, generator=gen).half()

@@ -50,6 +50,8 @@ def test_strided_rows_and_bad_input(kernels: ModuleType) -> None:
         kernels.argmax_rows(torch.zeros(2, 0))
     with pytest.raises(ValueError, match="unit stride"):
         kernels.argmax_rows(torch.zeros(9, 2).t())
+    with pytest.raises(ValueError, match="unit stride"):  # fp64 would lose its precision in fp32
+        kernels.argmax_rows(torch.zeros(2, 9, dtype=torch.float64))
 
 
 @pytest.mark.gpu

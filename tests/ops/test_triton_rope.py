@@ -22,11 +22,11 @@ def kernels() -> ModuleType:
     return interpreted_kernels("ninfer.ops.triton.rope")
 
 
-def _positions(tokens: int, seed: int, text: bool) -> torch.Tensor:
+def _positions(tokens: int, seed: int, text: bool, device: str = "cpu") -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if text:  # the model's text positions: one row expanded to T = H = W (stride 0 along the axis)
-        return torch.randint(0, 262_144, (1, tokens), generator=gen).expand(3, -1)
-    return torch.randint(0, 262_144, (3, tokens), generator=gen)
+        return torch.randint(0, 262_144, (1, tokens), generator=gen).to(device).expand(3, -1)
+    return torch.randint(0, 262_144, (3, tokens), generator=gen).to(device)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 70])
@@ -71,7 +71,8 @@ def test_tables_are_the_reference_bits_on_cuda(tokens: int, text: bool) -> None:
     functions torch's CUDA kernels call, so the tables are bit-equal."""
     from ninfer.ops.triton.rope import mrope_cos_sin as fast
 
-    positions = _positions(tokens, tokens, text).cuda()
+    positions = _positions(tokens, tokens, text, "cuda")
+    assert (positions.stride(0) == 0) == text
     cos, sin = fast(positions, 64, 1e7, (11, 11, 10))
     want_cos, want_sin = mrope_cos_sin(positions, 64, 1e7, (11, 11, 10))
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)

@@ -64,10 +64,15 @@ def _argmax_rows_kernel(
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared in fp32: exact for these
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` for x [B, V] (any float dtype, unit stride along V) -> [B] int64."""
-    if x.dim() != 2 or not x.is_floating_point() or (x.shape[1] > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be float [B, V] with a unit stride along V, got {tuple(x.shape)} {x.dtype}")
+    """``torch.argmax(x, dim=-1)`` for x [B, V] (fp32, bf16 or fp16; unit stride along V) -> [B] int64."""
+    if x.dim() != 2 or x.dtype not in _DTYPES or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(
+            f"x must be [B, V] in {_DTYPES} with a unit stride along V, got {tuple(x.shape)} {x.dtype}"
+        )
     rows, cols = x.shape
     if cols == 0:
         raise ValueError("argmax of an empty row")

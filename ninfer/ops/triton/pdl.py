@@ -22,7 +22,7 @@ next kernel's code before its wait then runs while this one's predecessor may st
 chain of such kernels, the predecessors up to the last kernel that launched its successor after its own
 wait), so it must read nothing but static weights, earlier steps' state and data complete before that
 kernel passed its wait (the norm after the MoE down launch: the residual stream, four launches back). The
-fast table asks for it in one-row decode only, along the chains that end in a one-wave GEMV whose weights
+fast table asks for it in one-row decode only, along the chains that end in a GEMV whose weights
 load before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the
 attention prologue -> split-KV attention -> merge -> output gate -> o_proj; a norm -> the next
 projection; the MoE down launch -> the norm): that GEMV's weights then stream while the small kernels

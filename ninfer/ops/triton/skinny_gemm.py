@@ -112,9 +112,9 @@ class SkinnyConfig:
 # thread), which streams while the small kernels before them run when the fast table lets them launch
 # early (`pdl`, one row): 35B-A3B B = 1 2.212 -> 2.150 ms with the early launches (one tile: 2.193).
 # A multi-wave one-row launch whose programs' whole K range is at most _EARLY_STEPS_MAX tiles loads it all
-# before the wait too, with no more registers than its loop holds (35B-A3B gdn_in and attn_qkv, K = 2048 in
-# two tiles: the first wave's rows stream while the norm before them runs; later waves start after the
-# wait anyway): 2.127 -> 2.102 ms (three rounds, 2026-11-30). 27B (K = 5120, five tiles) with its first four
+# before the wait too (35B-A3B gdn_in and attn_qkv, K = 2048 in two tiles, held at once where the loop held
+# one: the first wave's rows stream while the norm before them runs; later waves start after the wait
+# anyway): 2.127 -> 2.102 ms (three rounds, 2026-11-30). 27B (K = 5120, five tiles) with its first four
 # early: 12.884 -> 12.868 ms, within noise and 16 more registers a thread, so not taken.
 _EARLY_TILE_WARPS_PER_SM = 32
 _EARLY_STEPS_MAX = 4
@@ -599,7 +599,7 @@ def _project(
         )  # fmt: skip
     else:
         # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
-        # or where a program's whole K range is that many tiles (no more registers than its loop holds)
+        # or where a program's whole K range is that many tiles
         steps = triton.cdiv(k_per_split, config.block_k)
         one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
         early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)

@@ -328,7 +328,7 @@ _CONV_EPILOGUE_ROWS = range(2, 9)
 
 def _launches_next_early(rows: int) -> bool:
     """Whether a small decode kernel lets the next one launch before its own wait (`pdl`): at one row, where
-    the chains it starts end in one-wave GEMVs that load their weights before their wait (H200 graph
+    the chains it starts end in GEMVs that load their weights before their wait (H200 graph
     replay, one process, `tools.ab_step`, 2026-11-30: 35B-A3B B = 1 2.212 -> 2.150 ms for the norms, the
     gates, the conv step and the recurrence, with those GEMVs loading whole row slices; 2.152 -> 2.128 for
     the attention prologue, attention and merge and the MoE down launch; 27B unchanged). At eight rows it

@@ -62,8 +62,8 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for b in range(max_batch, 0, -1):  # largest first: the pool then fits the smaller ones
                 g = _Graph(b, scratch_slot, device)
-                for _ in range(2):  # warm allocator and library handles outside the capture
-                    fn(g.inputs)
+                for _ in range(2):  # warm allocator, library handles and kernel modules outside the capture
+                    argmax(fn(g.inputs))
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
                     g.logits = fn(g.inputs)
                     g.greedy = argmax(g.logits)
