@@ -7,7 +7,8 @@
 # (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full] (BENCH_ARGS, BENCH_TAG: extra flags
 # and a suffix of the JSON's name), bench35/27plain (without the decode lookahead), profile35/27, prefilldetail,
 # engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), gtimeline27/35
-# (tools/graph_timeline: each kernel's marginal time inside the decode graph; PROFILE_BATCH), hostround27/35
+# (tools/graph_timeline: each kernel's marginal time inside the decode graph; PROFILE_BATCH, GTIMELINE_ARGS=--engine:
+# the Engine's own graphs too), hostround27/35
 # (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
 # pdlprofile, pdloff8, chunk8k,
@@ -65,8 +66,8 @@ for step in "$@"; do
     moeprofile) NINFER_PDL=0 timeout 150 python3 -m tools.kernel_bench.moe_decode --profile --tokens ${MOE_TOKENS:-1 8} ;;
     chain8) timeout 150 python3 -m tools.kernel_bench.skinny_chain --rows 8 --shapes ${CHAIN_SHAPES:-5120x6144} ;;
     ab) timeout 300 python3 -m tools.ab_step ${AB_PACKAGE:-qwen3_6_35b_a3b} --env "$AB_ENV" --rounds 2 ;;
-    gtimeline35) timeout 200 python3 -m tools.graph_timeline qwen3_6_35b_a3b --batch ${PROFILE_BATCH:-1,8} ;;
-    gtimeline27) timeout 200 python3 -m tools.graph_timeline qwen3_6_27b --batch ${PROFILE_BATCH:-1,8} ;;
+    gtimeline35) timeout 300 python3 -m tools.graph_timeline qwen3_6_35b_a3b --batch ${PROFILE_BATCH:-1,8} ${GTIMELINE_ARGS:-} ;;
+    gtimeline27) timeout 300 python3 -m tools.graph_timeline qwen3_6_27b --batch ${PROFILE_BATCH:-1,8} ${GTIMELINE_ARGS:-} ;;
     ab27) timeout 300 python3 -m tools.ab_step qwen3_6_27b --env "$AB_ENV" --rounds 2 ;;
     gemmmoetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops/test_triton_skinny_gemm.py tests/ops/test_triton_fused_moe.py ;;
     fastpathtests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs tests/gpu/test_fast_path.py ${FASTPATH_K:+-k "$FASTPATH_K"} ;;

@@ -20,11 +20,12 @@ import os
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from ninfer.targets.qwen3_6.model import StepBatch, forward
-from tools.kernel_bench.common import graphed
+from tools.kernel_bench.common import graphed, time_us
 from tools.profile_step import PAGE_SIZE, graph_time_ms, make_batch, synthetic_decode_setup
 
 
@@ -65,6 +66,132 @@ def marginal_table(replay: list[dict]) -> tuple[float, dict[str, tuple[int, floa
     return latest - replay[0]["start"], {label: tuple(v) for label, v in rows.items()}
 
 
+Table = dict[str, tuple[int, float, float]]  # label -> (launches, own us, marginal us), medians
+
+
+def profile_replays(replay: Callable[[], None], replays: int) -> tuple[int, list[float], Table] | None:
+    """(kernels per replay, spans, merged table) of ``replays`` replays under the profiler; None where the
+    profiler sees no kernels inside a graph."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # one replay alone first, to count its kernels
+        path = os.path.join(tmp, "one.json")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        per_replay = len(kernel_events(path))
+        path = os.path.join(tmp, "many.json")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                replay()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(path)
+        events = kernel_events(path)
+    tables = [marginal_table(r) for r in split_replays(events, per_replay)]
+    if not tables:
+        return None
+    merged = {
+        label: (
+            n,
+            statistics.median(t[1].get(label, (0, 0.0, 0.0))[1] for t in tables),
+            statistics.median(t[1].get(label, (0, 0.0, 0.0))[2] for t in tables),
+        )
+        for label, (n, _, _) in tables[0][1].items()
+    }
+    return per_replay, [span for span, _ in tables], merged
+
+
+def by_kernel(table: Table) -> dict[str, tuple[float, float]]:
+    """Marginal and own time summed per kernel name (every grid)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for label, (_, own, marginal) in table.items():
+        out[label.split(" [")[0]][0] += marginal
+        out[label.split(" [")[0]][1] += own
+    return {name: (m, o) for name, (m, o) in out.items()}
+
+
+def print_timeline(title: str, result: tuple[int, list[float], Table] | None, top: int) -> None:
+    if result is None:
+        print(f"{title}: no kernel events recorded (profiler cannot see graph kernels here)")
+        return
+    per_replay, spans, merged = result
+    print(f"{title}: {per_replay} kernels per replay, span under the profiler "
+          f"{statistics.median(spans) / 1e3:.3f} ms (median of {len(spans)})")  # fmt: skip
+    print(f"{'marginal us':>12s} {'own us':>9s} {'n':>4s}  kernel [grid]")
+    for label, (n, own, marginal) in sorted(merged.items(), key=lambda kv: -kv[1][2])[:top]:
+        print(f"{marginal:12.1f} {own:9.1f} {n:4d}  {label}")
+    print("by kernel:")
+    for name, (marginal, own) in sorted(by_kernel(merged).items(), key=lambda kv: -kv[1][0]):
+        print(f"{marginal:12.1f} {own:9.1f}        {name}")
+
+
+def print_difference(a: Table, b: Table, names: tuple[str, str]) -> None:
+    """Per kernel [grid]: marginal time in ``b`` minus ``a``, largest first (launch counts beside)."""
+    print(f"marginal us: {names[1]} - {names[0]} (launches {names[0]} / {names[1]})")
+    rows = []
+    for label in a.keys() | b.keys():
+        na, _, ma = a.get(label, (0, 0.0, 0.0))
+        nb, _, mb = b.get(label, (0, 0.0, 0.0))
+        rows.append((mb - ma, na, nb, label))
+    for diff, na, nb, label in sorted(rows, key=lambda r: -abs(r[0]))[:30]:
+        print(f"{diff:+10.1f} {na:4d}/{nb:<4d} {label}")
+    print(f"{sum(r[0] for r in rows):+10.1f} in all")
+
+
+def engine_graphs(
+    package: str, batches: list[int], context: int
+) -> tuple[object, dict[int, Callable[[], None]]]:
+    """The Engine's own decode graphs (the synthetic Engine `ninfer bench --synthetic` starts), each left
+    holding a real decode step at about ``context`` positions: B requests decoded a few rounds, then the
+    Engine closed. Returns (the closed Engine, which keeps the graphs' buffers alive; B -> the replay)."""
+    from ninfer.bench.startup import start_synthetic
+    from ninfer.types import EngineConfig, GenerationRequest
+
+    steps = 8
+    config = EngineConfig(
+        max_concurrency=max(batches), queue_capacity=max(batches), queue_timeout_s=None,
+        max_context=context + 2 * steps, device="auto", cuda_graphs=True, warmup=True,
+    )  # fmt: skip
+    engine = start_synthetic(package, config, seed=0).engine
+    graphs = engine.core._program._graphs  # type: ignore[attr-defined]
+    replays: dict[int, Callable[[], None]] = {}
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for b in batches:
+            requests = [
+                GenerationRequest(prompt=torch.randint(100, 8000, (context,), generator=gen).tolist(),
+                                  max_tokens=steps, temperature=0.0, ignore_eos=True)
+                for _ in range(b)
+            ]  # fmt: skip
+            handles = [engine.submit(r) for r in requests]
+            for handle in handles:
+                handle.result()
+            replays[b] = graphs._graphs[b].graph.replay  # holds B rows' last decode step
+    finally:
+        engine.close()
+    return engine, replays
+
+
+def step_timelines(
+    package: str, batches: list[int], context: int, replays: int, top: int
+) -> dict[int, tuple[int, list[float], Table] | None]:
+    """The model's decode step alone (`forward` over a prepared `StepBatch`), graphed, per B."""
+    device = torch.device("cuda")
+    results = {}
+    variant, view, kernels, store = synthetic_decode_setup(package, batches, context)
+    with torch.inference_mode():
+        for b in batches:
+            batch = make_batch(b, 1, context, PAGE_SIZE, device)
+
+            def step(batch: StepBatch = batch) -> None:
+                forward(view, variant, batch, store, logits="last", kernels=kernels)
+
+            print(f"B={b}: graph replay {graph_time_ms(step):.3f} ms (no profiler)", flush=True)
+            results[b] = profile_replays(graphed(step), replays)
+            print_timeline(f"B={b}", results[b], top)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("package")
@@ -72,61 +199,24 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--engine", action="store_true",
+        help="then the Engine's own captured graphs (input unpacking and argmax included), and the "
+        "difference per kernel against the step graph",
+    )  # fmt: skip
     args = parser.parse_args()
-    device = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]
-    variant, view, kernels, store = synthetic_decode_setup(args.package, batches, args.context)
-    with torch.inference_mode():
-        for b in batches:
-            batch = make_batch(b, 1, args.context, PAGE_SIZE, device)
-
-            def step(batch: StepBatch = batch) -> None:
-                forward(view, variant, batch, store, logits="last", kernels=kernels)
-
-            print(f"B={b}: graph replay {graph_time_ms(step):.3f} ms (no profiler)", flush=True)
-            replay = graphed(step)
-            with tempfile.TemporaryDirectory() as tmp:
-                # one replay alone first, to count its kernels
-                path = os.path.join(tmp, "one.json")
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    replay()
-                    torch.cuda.synchronize()
-                prof.export_chrome_trace(path)
-                per_replay = len(kernel_events(path))
-                path = os.path.join(tmp, "many.json")
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(args.replays):
-                        replay()
-                    torch.cuda.synchronize()
-                prof.export_chrome_trace(path)
-                events = kernel_events(path)
-            replays = split_replays(events, per_replay)
-            if not replays:
-                print(f"B={b}: no kernel events recorded (profiler cannot see graph kernels here)")
-                continue
-            tables = [marginal_table(r) for r in replays]
-            spans = [span for span, _ in tables]
-            print(f"B={b}: {per_replay} kernels per replay, span under the profiler "
-                  f"{statistics.median(spans) / 1e3:.3f} ms (median of {len(spans)})")  # fmt: skip
-            labels = tables[0][1].keys()
-            merged = {
-                label: (
-                    tables[0][1][label][0],
-                    statistics.median(t[1].get(label, (0, 0.0, 0.0))[1] for t in tables),
-                    statistics.median(t[1].get(label, (0, 0.0, 0.0))[2] for t in tables),
-                )
-                for label in labels
-            }
-            print(f"{'marginal us':>12s} {'own us':>9s} {'n':>4s}  kernel [grid]")
-            for label, (n, own, marginal) in sorted(merged.items(), key=lambda kv: -kv[1][2])[: args.top]:
-                print(f"{marginal:12.1f} {own:9.1f} {n:4d}  {label}")
-            by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-            for label, (_, own, marginal) in merged.items():
-                by_name[label.split(" [")[0]][0] += marginal
-                by_name[label.split(" [")[0]][1] += own
-            print("by kernel:")
-            for name, (marginal, own) in sorted(by_name.items(), key=lambda kv: -kv[1][0]):
-                print(f"{marginal:12.1f} {own:9.1f}        {name}")
+    results = step_timelines(args.package, batches, args.context, args.replays, args.top)
+    if not args.engine:
+        return
+    torch.cuda.empty_cache()  # the step's weights are gone: one package's weights at a time fit
+    engine, replays = engine_graphs(args.package, batches, args.context)
+    for b, replay in replays.items():
+        print(f"B={b}: the Engine's graph {time_us(replay) / 1e3:.3f} ms (no profiler)", flush=True)
+        engine_result = profile_replays(replay, args.replays)
+        print_timeline(f"B={b} (the Engine's graph)", engine_result, args.top)
+        if results[b] is not None and engine_result is not None:
+            print_difference(results[b][2], engine_result[2], ("step", "engine"))
 
 
 if __name__ == "__main__":

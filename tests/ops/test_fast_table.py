@@ -272,7 +272,7 @@ def test_attention_and_moe_decode_launch_next_early_at_one_row(
     q = table._fast_attention_prologue(qkv, norm_w, norm_w, cos, sin, k_pages, v_pages, slots, variant)
     table_rows = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
     lens = torch.full((rows,), 6, dtype=torch.int32)
-    o = table._fast_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5)
+    o = table._fast_gated_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv)
     view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=16)
     x = torch.randn(rows, 24, generator=gen)
     moe = table._fast_moe_block(view, variant, x, True)
@@ -281,7 +281,7 @@ def test_attention_and_moe_decode_launch_next_early_at_one_row(
     assert seen == {
         "qk_norm_rope_kv_write": [early], "paged_decode_attention": [early], "moe_decode_block": [early]
     }
-    want_o = table.REFERENCE.decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5)
+    want_o = table.REFERENCE.gated_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv)
     assert max_rel_error(o, want_o) < 1e-5
     assert max_rel_error(moe, table.REFERENCE.moe_block(view, variant, x, True)) < 1e-5
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from triton_interpreter import interpreted_kernels, run_interpreter_child
 
+from ninfer.ops.attention import gated_attention_output, split_q_gate
 from ninfer.ops.attention import paged_decode_attention as reference_paged_decode_attention
-from ninfer.ops.attention import split_q_gate
 
 torch.set_num_threads(1)
 
@@ -126,6 +126,38 @@ def test_paged_decode_allocates_output_in_q_dtype(kernels: ModuleType) -> None:
     torch.testing.assert_close(got, reference_paged_decode_attention(**x, scale=0.2), **CLOSE)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["1split", "3splits"])
+def test_gated_output_equals_attention_then_sigmoid_gate(kernels: ModuleType, num_splits: int) -> None:
+    """gate_qkv: the output gate applied where the output is written (single-split store or merge) gives
+    `sigmoid_gate` of the plain output bit for bit, and the reference's gated output; a padding row stays
+    zero; a badly shaped gate_qkv is refused before anything launches."""
+    from ninfer.ops.triton import attention_prologue
+
+    gen = torch.Generator().manual_seed(40 + num_splits)
+    n_heads, n_kv, head_dim = 6, 2, 32
+    x = _paged_inputs([9, 0, 14], n_heads, n_kv, head_dim, 4, gen)
+    # the q projection with its gate columns, then k and v columns the gate must ignore (qkv's layout)
+    qkv = torch.randn(3, n_heads * 2 * head_dim + 2 * n_kv * head_dim, generator=gen)
+    plain = kernels.paged_decode_attention(**x, scale=0.25, num_splits=num_splits, block_n=4)
+    want = attention_prologue.sigmoid_gate(plain, qkv, num_heads=n_heads, head_dim=head_dim)
+    out = torch.full_like(plain, float("nan"))
+
+    got = kernels.paged_decode_attention(
+        **x, scale=0.25, num_splits=num_splits, block_n=4, out=out, gate_qkv=qkv
+    )
+
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.view(3, -1), want)
+    gate = split_q_gate(qkv[:, : n_heads * 2 * head_dim], n_heads, head_dim)[1]
+    live = [0, 2]
+    rows = {name: x[name][live] for name in ("q", "block_table", "context_lens")}
+    reference = reference_paged_decode_attention(**{**x, **rows}, scale=0.25)
+    torch.testing.assert_close(got.view(3, -1)[live], gated_attention_output(reference, gate[live]), **CLOSE)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    with pytest.raises(ValueError, match="gate_qkv"):
+        kernels.paged_decode_attention(**x, scale=0.25, gate_qkv=qkv[:, : n_heads * head_dim])
+
+
 # ---- GPU, real shapes ----------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -166,3 +198,31 @@ def test_paged_decode_cuda_real_shapes(
     close = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else CLOSE
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), expected, **close)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(24, 4), (16, 2)], ids=["27b-24:4", "35b-16:2"])
+@pytest.mark.parametrize("context_lens", [[2049], [4100, 17, 64, 1000, 3, 2500, 4099]], ids=["B1", "B7"])
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["default-splits", "1split"])
+def test_gated_output_cuda_real_shapes(
+    n_heads: int, n_kv: int, context_lens: list[int], num_splits: int | None
+) -> None:
+    """bf16 at D = 256: the gated output equals `sigmoid_gate` after the plain attention, bit for bit."""
+    from ninfer.ops.triton.attention_prologue import sigmoid_gate
+    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(len(context_lens) + n_heads)
+    head_dim, page_size, batch = 256, 64, len(context_lens)
+    x = {k: t.cuda() for k, t in _paged_inputs(context_lens, n_heads, n_kv, head_dim, page_size, gen).items()}
+    for name in ("q", "k_pages", "v_pages"):
+        x[name] = x[name].bfloat16()
+    qkv = torch.randn(batch, (n_heads * 2 + 2 * n_kv) * head_dim, generator=gen).bfloat16().cuda()
+    plain = paged_decode_attention(**x, scale=head_dim**-0.5, num_splits=num_splits)
+    want = sigmoid_gate(plain, qkv, num_heads=n_heads, head_dim=head_dim)
+    out = torch.full_like(plain, float("nan"))
+
+    got = paged_decode_attention(**x, scale=head_dim**-0.5, num_splits=num_splits, out=out, gate_qkv=qkv)
+
+    assert not got.isnan().any()
+    assert torch.equal(got.view(batch, -1), want)

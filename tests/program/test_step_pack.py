@@ -67,3 +67,27 @@ def test_decode_rows_take_the_short_path_to_the_same_layout() -> None:
         assert f.state_out.tolist() == [s.spare if write_spare else s.slot for s in seqs]
         assert f.fresh.tolist() == [1, 0, 0, 0, 0]
         assert f.sequence_index.tolist() == list(range(len(seqs)))
+
+
+def test_unpack_on_the_host_gives_the_step_batch_fields() -> None:
+    """`unpack` off CUDA (the torch path; CUDA takes `ninfer.ops.triton.step_unpack`, tested against the
+    same expressions): the casts, the table rows of the rows' sequence indices, views of the rest."""
+    rng = random.Random(2)
+    pages = list(range(40))
+    rng.shuffle(pages)
+    tables = torch.randint(0, 1000, (5, 37), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    builder = StepBuilder(PAGE, tables)
+    seqs = [_seq(f, pages, i) for i, f in zip((3, 0, 4), (9, 0, 17))]
+    for inputs in ([[5], [6], [7]], [[1, 2, 3], [4], [5, 6]]):  # a decode, then a prefill-like step
+        packed = builder.pack(seqs, inputs, write_spare=True)
+        f = packed.fields()
+        batch = builder.unpack(packed)
+        assert batch.token_ids is f.token_ids and batch.slot_mapping is f.slot_mapping
+        assert batch.state_in is f.state_in and batch.state_out is f.state_out
+        assert torch.equal(batch.positions, f.positions.expand(3, -1))
+        assert batch.query_start.dtype == batch.context_lens.dtype == batch.block_table.dtype == torch.int32
+        assert batch.query_start.tolist() == list(packed.query_start_host) == batch.query_bounds()
+        assert batch.context_lens.tolist() == list(packed.context_lens_host) == batch.context_lengths()
+        assert torch.equal(batch.block_table, tables[[3, 0, 4]])
+        assert batch.fresh.dtype == torch.bool and batch.fresh.tolist() == [False, True, False]
+        assert batch.inputs_embeds is None

@@ -5,7 +5,7 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
   l2norm in-kernel, state read from and written to the state pool by slot index.
 - conv_update: `causal_conv1d_update_slots`, the GDN conv step over the slot pool, in place.
 - paged_decode_attention: `paged_decode_attention`, one query per row over paged K/V, GQA packed,
-  optional split-KV.
+  optional split-KV, optionally gated (the output gate applied where the output is written).
 - norm: `rms_norm`, `add_rms_norm`, `gated_rms_norm`; activation: `swiglu`.
 - fused_moe: `fused_moe`, routed experts (sorted grouped GEMMs; a two-launch decode path), with the
   shared expert as one more weighted slot (`SharedExpert`).
@@ -13,10 +13,11 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - moe_decode: `moe_decode_block`, the decode MoE block after the stacked input GEMV in two launches (the
   routing inside the experts' gate/up launch).
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
-  and `sigmoid_gate` (the attention output gate read in place from the projection output).
+  and `sigmoid_gate` (the attention output gate read in place from the projection output; prefill).
 - skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).
 - rope: `mrope_cos_sin`, the M-RoPE cos/sin tables in one launch.
 - argmax: `argmax_rows`, the greedy draw over the vocabulary at the end of a decode graph.
+- step_unpack: `unpack_step`, `StepBuilder.unpack`'s casts and table gather in one launch (not in the table).
 - pdl: programmatic dependent launch, the prologue of every kernel here.
 
 Import the submodule you need; importing this package does not import triton.

@@ -13,6 +13,12 @@ Split-KV (`num_splits` > 1) cuts each row's context into equal ranges handled by
 (decode at small B has too few (row, kv head) pairs to fill the GPU); a second kernel merges their
 partial outputs with their log-sum-exps.
 
+With ``gate_qkv`` the output gate of Qwen3.6's gated attention is applied where the output is written
+(the single-split kernel or the merge): o, rounded to q's dtype, times sigmoid(gate) in fp32, the gate read
+in place from the q projection's interleaved [query | gate] columns, exactly as
+`attention_prologue.sigmoid_gate` computes it (the same bits) without that kernel's launch and its
+dependent wait.
+
 A row with context length 0 (padding) gets a zero output (the reference gives NaN there).
 """
 
@@ -28,6 +34,21 @@ __all__ = ["paged_decode_attention", "default_num_splits"]
 
 
 @triton.jit
+def _store_output(
+    out_ptr, gate_ptr, row, heads, offs_d, mask, out_stride_b, out_stride_h, gate_stride_b, o,
+    HEAD_DIM: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """Store o [rows of heads, D] (fp32) in out's dtype; GATED: times sigmoid(gate) first, as `sigmoid_gate`
+    does it (o rounded to out's dtype, then fp32 math, rounded again)."""
+    y = o.to(out_ptr.dtype.element_ty)
+    if GATED:
+        # head h's gate: columns h*2D + D .. h*2D + 2D - 1 of the interleaved q projection
+        gate = tl.load(gate_ptr + row * gate_stride_b + heads * 2 * HEAD_DIM + HEAD_DIM + offs_d, mask=mask)
+        y = (y.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride_b + heads * out_stride_h + offs_d, y, mask=mask)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,
     k_pages_ptr,
@@ -37,6 +58,7 @@ def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    gate_ptr,
     scale,
     q_stride_b,
     q_stride_h,
@@ -49,6 +71,7 @@ def _paged_decode_kernel(
     block_table_stride,
     out_stride_b,
     out_stride_h,
+    gate_stride_b,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -58,6 +81,7 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -111,8 +135,10 @@ def _paged_decode_kernel(
     normed = acc / tl.where(live, l_i, 1.0)[:, None]
     mask_out = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        out = out_ptr + row * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
-        tl.store(out, normed.to(out_ptr.dtype.element_ty), mask=mask_out)
+        _store_output(
+            out_ptr, gate_ptr, row, heads[:, None], offs_d[None, :], mask_out, out_stride_b, out_stride_h,
+            gate_stride_b, normed, HEAD_DIM, GATED,
+        )  # fmt: skip
     else:
         partial_row = (row.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
         tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :], normed, mask=mask_out)
@@ -125,13 +151,16 @@ def _merge_splits_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    gate_ptr,
     out_stride_b,
     out_stride_h,
+    gate_stride_b,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -154,21 +183,26 @@ def _merge_splits_kernel(
     )
     total = tl.sum(weights, axis=0)
     merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    out = out_ptr + row * out_stride_b + head * out_stride_h + offs_d
-    tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=mask_d)
+    _store_output(
+        out_ptr, gate_ptr, row, head, offs_d, mask_d, out_stride_b, out_stride_h, gate_stride_b, merged,
+        HEAD_DIM, GATED,
+    )  # fmt: skip
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Static split count (no host sync): enough programs for about two waves of the GPU's SMs, at most
-    one split per 32 positions of the table's capacity and 64 in all. 1 on CPU.
+    """Static split count (no host sync): about one wave of programs over the GPU's SMs, but at least 16
+    splits, at most one per 32 positions of the table's capacity and 64 in all. 1 on CPU.
 
-    Tuned on the H200 (`tools/kernel_bench/small_ops.py`, 27B and 35B-A3B shapes, context 2k and 8k):
-    at B = 1 64 splits beat 8 (2k: 15 vs 24 us; 8k: 25 vs 70 us); at B = 8 16-32 are best.
+    Tuned on the H200 (`tools/kernel_bench/small_ops.py`, 27B and 35B-A3B shapes, context 2k and 8k): at
+    B = 1 64 splits beat 8 (2k: 15 vs 24 us; 8k: 25 vs 70 us). Inside the decode graph (`tools.ab_step`,
+    context 2k): 35B-A3B at B = 8 took 16 splits over the two waves' 32 in three sessions (5.985 -> 5.953,
+    5.823 -> 5.800 and 5.720 -> 5.704 ms), while 27B at B = 8 with one wave's 8 was 0.06 ms slower than
+    with 16 (hence the floor).
     """
     if device.type != "cuda":
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sm_count, max(1, batch * num_kv_heads))
+    wanted = max(16, triton.cdiv(sm_count, max(1, batch * num_kv_heads)))
     cap = max(1, triton.cdiv(max_context, 32))
     return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 64))
 
@@ -187,6 +221,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     launch_next_early: bool = False,
+    gate_qkv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over paged K/V -> [B, nH, D] in q's dtype (fp32 softmax and accumulation).
 
@@ -194,6 +229,9 @@ def paged_decode_attention(
     [B, maxp] int32; context_lens [B] int32 (row r's query is the last of its context_lens[r] positions).
     `out` may supply the [B, nH, D] output buffer; `num_splits` defaults to `default_num_splits`.
     `launch_next_early`: see `pdl` (with splits, the merge launch follows the split launch early too).
+    `gate_qkv` [B, >= nH*2D] (row stride free, last dim contiguous): the output is gated, o * sigmoid(gate)
+    with head h's gate in columns h*2D + D .. h*2D + 2D - 1 (`attention_prologue.sigmoid_gate`'s result,
+    bit for bit, as [B, nH, D]: view it as [B, nH*D]).
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_pages.shape
@@ -209,9 +247,21 @@ def paged_decode_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be [B, nH, D] {q.dtype} with a contiguous last dim")
+    if gate_qkv is not None and (
+        gate_qkv.dim() != 2
+        or gate_qkv.shape[0] != batch
+        or gate_qkv.shape[1] < 2 * num_heads * head_dim
+        or gate_qkv.stride(1) != 1
+    ):
+        raise ValueError(
+            f"gate_qkv must be [{batch}, >= {2 * num_heads * head_dim}] with a contiguous last dim, "
+            f"got {tuple(gate_qkv.shape)}"
+        )
     if batch == 0:
         return out
 
+    gated = gate_qkv is not None
+    gate, gate_stride = (gate_qkv, gate_qkv.stride(0)) if gate_qkv is not None else (out, 0)  # unread if not
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, block_table.shape[1] * page_size, q.device)
@@ -226,24 +276,24 @@ def paged_decode_attention(
     else:
         partial_out = partial_lse = out  # not touched by the single-split kernel
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse,
+        q, k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse, gate,
         scale,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         block_table.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), gate_stride,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision, GATED=gated,
         LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps, num_stages=num_stages,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
-            partial_out, partial_lse, out,
-            out.stride(0), out.stride(1),
+            partial_out, partial_lse, out, gate,
+            out.stride(0), out.stride(1), gate_stride,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, GATED=gated,
             LAUNCH_NEXT_EARLY=launch_next_early, num_warps=4,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip

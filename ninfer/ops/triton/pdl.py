@@ -24,7 +24,7 @@ wait), so it must read nothing but static weights, earlier steps' state and data
 kernel passed its wait (the norm after the MoE down launch: the residual stream, four launches back). The
 fast table asks for it in one-row decode only, along the chains that end in a GEMV whose weights
 load before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the
-attention prologue -> split-KV attention -> merge -> output gate -> o_proj; a norm -> the next
+attention prologue -> split-KV attention -> merge with the output gate -> o_proj; a norm -> the next
 projection; the MoE down launch -> the norm): that GEMV's weights then stream while the small kernels
 before it run. At eight rows it was 0.2 ms slower per 35B-A3B step, for a reason not established
 (docs/benchmarks.md, run 14's session).

@@ -79,8 +79,9 @@ class Kernels:
     swiglu: Callable[[Tensor, Tensor], Tensor]  # (gate, up) -> silu(gate) * up
     gdn_decode: GdnDecode  # one token per row (N == B): graph-capturable
     gdn_prefill: GdnStep  # rows of any length
-    # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale) -> [B, nH, D]: graph-capturable
-    decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale, qkv) -> the gated output [B, nH*D]
+    # (`attention_output_gate` of the attention's [B, nH, D], its gate read from qkv): graph-capturable
+    gated_decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor], Tensor]
     # (q [N, nH, D], k_pages, v_pages, batch, scale) -> [N, nH, D]: rows, pages and lengths from the batch
     prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float], Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
@@ -168,6 +169,15 @@ def _reference_prefill_attention(
 def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
     gate = split_q_gate(qkv[:, : variant.q_proj_dim], variant.num_attention_heads, variant.head_dim)[1]
     return gated_attention_output(o, gate)
+
+
+def _reference_gated_decode_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
+    qkv: Tensor,
+) -> Tensor:  # fmt: skip
+    o = reference_decode_attention(q, k_pages, v_pages, block_table, context_lens, scale)
+    _, heads, dim = q.shape
+    return gated_attention_output(o, split_q_gate(qkv[:, : heads * 2 * dim], heads, dim)[1])
 
 
 def _reference_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
@@ -302,7 +312,7 @@ REFERENCE = Kernels(
     swiglu=swiglu,
     gdn_decode=_reference_gdn_decode,
     gdn_prefill=_reference_gdn_prefill,
-    decode_attention=reference_decode_attention,
+    gated_decode_attention=_reference_gated_decode_attention,
     prefill_attention=_reference_prefill_attention,
     attention_prologue=_reference_attention_prologue,
     attention_output_gate=_reference_attention_output_gate,
@@ -521,15 +531,19 @@ def _fast_attention_prologue(
     )  # fmt: skip
 
 
-def _fast_decode_attention(
-    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
-) -> Tensor:
+def _fast_gated_decode_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
+    qkv: Tensor,
+) -> Tensor:  # fmt: skip
+    """The output gate applied where the attention's output is written (the merge of the split-KV
+    partials): one dependent launch fewer per attention layer than attention + `sigmoid_gate`."""
     from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
-    return paged_decode_attention(
+    o = paged_decode_attention(
         q, k_pages, v_pages, block_table, context_lens, scale,
-        launch_next_early=_launches_next_early(q.shape[0]),
+        launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv,
     )  # fmt: skip
+    return o.view(o.shape[0], -1)
 
 
 def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
@@ -679,7 +693,7 @@ def fast_kernels() -> Kernels:
         swiglu=triton_swiglu,
         gdn_decode=_fast_gdn_decode,
         gdn_prefill=gdn_prefill,
-        decode_attention=_fast_decode_attention,
+        gated_decode_attention=_fast_gated_decode_attention,
         prefill_attention=_sdpa_prefill_attention,
         attention_prologue=_fast_attention_prologue,
         attention_output_gate=_fast_attention_output_gate,

@@ -361,17 +361,18 @@ def attention_activation(
     """`attention_mixer` up to o_proj: the gated attention output [N, nH*D].
 
     The prologue normalises and ropes q and k and writes k and v into their slots; the output gate
-    reads its columns of qkv in place.
+    reads its columns of qkv in place (at decode inside the attention op, where its output is written).
     """
     qkv = attention_qkv(w, x, kernels)
     q = kernels.attention_prologue(
         qkv, w.q_norm, w.k_norm, cos, sin, k_pages, v_pages, batch.slot_mapping, variant
     )
     scale = variant.head_dim**-0.5
-    if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync)
-        o = kernels.decode_attention(q, k_pages, v_pages, batch.block_table, batch.context_lens, scale)
-    else:
-        o = kernels.prefill_attention(q, k_pages, v_pages, batch, scale)
+    if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync), gate included
+        return kernels.gated_decode_attention(
+            q, k_pages, v_pages, batch.block_table, batch.context_lens, scale, qkv
+        )
+    o = kernels.prefill_attention(q, k_pages, v_pages, batch, scale)
     return kernels.attention_output_gate(o, qkv, variant)
 
 

@@ -4,11 +4,11 @@ Rows, slots and pages are plain data here: the same builder serves prefill chunk
 forced control. A step's host facts travel as one packed int64 vector (`pack`: token ids, positions, KV
 slots, row bounds, context lengths, state slots, fresh flags, sequence indices) in one host-to-device
 copy; `unpack` turns the device copy into the `StepBatch` views, gathering the rows' block tables from
-the device-resident table (one row per sequence index, written at materialization). A captured decode
-graph runs `unpack` inside the graph over its static packed buffer, so a decode step costs the host
-one copy and one replay. A decode step (one token per row, the common case between two decode rounds)
-has its own short path to the same layout, `decode_values`, which the graph writes straight into its
-pinned staging buffer.
+the device-resident table (one row per sequence index, written at materialization); on CUDA the casts and
+the gather are one Triton launch (`ninfer.ops.triton.step_unpack`). A captured decode graph runs `unpack`
+inside the graph over its static packed buffer, so a decode step costs the host one copy and one replay.
+A decode step (one token per row, the common case between two decode rounds) has its own short path to the
+same layout, `decode_values`, which the graph writes straight into its pinned staging buffer.
 """
 
 from __future__ import annotations
@@ -172,18 +172,29 @@ class StepBuilder:
         return dataclasses.replace(packed, values=values.to(self.device, non_blocking=True))
 
     def unpack(self, packed: PackedStep) -> StepBatch:
-        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync."""
+        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync (on CUDA
+        one Triton launch for the casts and the table gather, `ninfer.ops.triton.step_unpack`)."""
         f = packed.fields()
+        if packed.values.device.type == "cuda":  # one launch in place of four small kernels per decode step
+            from ninfer.ops.triton.step_unpack import unpack_step
+
+            query_start, context_lens, block_table, fresh = unpack_step(
+                packed.values, packed.num_tokens, packed.num_rows, self.block_tables
+            )
+        else:
+            query_start, context_lens = f.query_start.int(), f.context_lens.int()
+            block_table = self.block_tables.index_select(0, f.sequence_index)
+            fresh = f.fresh.bool()
         return StepBatch(
             token_ids=f.token_ids,
             positions=f.positions.expand(3, -1),  # text: T = H = W
-            query_start=f.query_start.int(),
-            context_lens=f.context_lens.int(),
-            block_table=self.block_tables.index_select(0, f.sequence_index),
+            query_start=query_start,
+            context_lens=context_lens,
+            block_table=block_table,
             slot_mapping=f.slot_mapping,
             state_in=f.state_in,
             state_out=f.state_out,
-            fresh=f.fresh.bool(),
+            fresh=fresh,
             query_start_host=packed.query_start_host,
             context_lens_host=packed.context_lens_host,
         )
