@@ -7,8 +7,8 @@
 # (AB_ENV=NAME=A,B [AB_PACKAGE=...]: tools/ab_step), bench35/27[full] (BENCH_ARGS, BENCH_TAG: extra flags
 # and a suffix of the JSON's name), bench35/27plain (without the decode lookahead), profile35/27, prefilldetail,
 # engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), gtimeline27/35
-# (tools/graph_timeline: each kernel's marginal time inside the decode graph; PROFILE_BATCH, GTIMELINE_ARGS=--engine:
-# the Engine's own graphs too), hostround27/35
+# (tools/graph_timeline: each kernel's marginal time inside the decode graph; PROFILE_BATCH,
+# GTIMELINE_ARGS=--engine: the Engine's own graphs too), hostround27/35
 # (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
 # pdlprofile, pdloff8, chunk8k,

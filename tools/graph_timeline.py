@@ -1,6 +1,7 @@
 """Where a decode graph's time goes, kernel by kernel, as the graph runs them (PDL overlap included).
 
     python3 -m tools.graph_timeline PACKAGE [--batch 1,8] [--context 2048] [--replays 5] [--top 30]
+                                   [--engine]
 
 Random weights of the package's exact dims (as `tools.profile_step`), bf16 on CUDA. The decode step is
 captured in a CUDA graph and replayed under the torch profiler, which records every kernel inside the
@@ -10,11 +11,16 @@ little; what this prints is each kernel's *marginal* time: how far it moved the 
 Summed by kernel name and grid (one row per distinct launch shape: gdn_in and gdn_out are both the GEMV
 kernel, with different grids), medians over the replays. The profiler slows the launch a little, so the
 span is a bit above `tools.profile_step`'s graph time; compare rows, not totals, across trees.
+
+``--engine`` then does the same for the Engine's own captured graphs (`engine_graphs`: the input
+unpacking and the argmax included, holding a real decode step of the synthetic Engine) and prints, per
+kernel, its marginal time there minus in the step graph.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -24,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from ninfer.runtime.engine.engine import Engine
 from ninfer.targets.qwen3_6.model import StepBatch, forward
 from tools.kernel_bench.common import graphed, time_us
 from tools.profile_step import PAGE_SIZE, graph_time_ms, make_batch, synthetic_decode_setup
@@ -105,8 +112,9 @@ def by_kernel(table: Table) -> dict[str, tuple[float, float]]:
     """Marginal and own time summed per kernel name (every grid)."""
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for label, (_, own, marginal) in table.items():
-        out[label.split(" [")[0]][0] += marginal
-        out[label.split(" [")[0]][1] += own
+        row = out[label.split(" [")[0]]
+        row[0] += marginal
+        row[1] += own
     return {name: (m, o) for name, (m, o) in out.items()}
 
 
@@ -133,24 +141,30 @@ def print_difference(a: Table, b: Table, names: tuple[str, str]) -> None:
         na, _, ma = a.get(label, (0, 0.0, 0.0))
         nb, _, mb = b.get(label, (0, 0.0, 0.0))
         rows.append((mb - ma, na, nb, label))
-    for diff, na, nb, label in sorted(rows, key=lambda r: -abs(r[0]))[:30]:
+    for diff, na, nb, label in sorted(rows, key=lambda r: (-abs(r[0]), r[3]))[:30]:  # ties by label
         print(f"{diff:+10.1f} {na:4d}/{nb:<4d} {label}")
     print(f"{sum(r[0] for r in rows):+10.1f} in all")
 
 
 def engine_graphs(
     package: str, batches: list[int], context: int
-) -> tuple[object, dict[int, Callable[[], None]]]:
+) -> tuple[Engine, dict[int, Callable[[], None]]]:
     """The Engine's own decode graphs (the synthetic Engine `ninfer bench --synthetic` starts), each left
-    holding a real decode step at about ``context`` positions: B requests decoded a few rounds, then the
-    Engine closed. Returns (the closed Engine, which keeps the graphs' buffers alive; B -> the replay)."""
+    holding a real decode step of B rows at about ``context`` positions: B requests decoded until every
+    B-row graph replayed a few rounds, then the Engine closed. Returns (the closed Engine, which keeps the
+    graphs' buffers alive; B -> the replay). Raises RuntimeError where a B-row round never ran."""
+    from ninfer.bench.drive import ROUND_SLACK, BenchPlan
     from ninfer.bench.startup import start_synthetic
-    from ninfer.types import EngineConfig, GenerationRequest
+    from ninfer.types import EngineConfig, GenerationRequest, default_prefill_chunk
 
-    steps = 8
+    # the bench's own budget: the first request decodes while the others prefill, one after the other
+    plan = BenchPlan(
+        batches=tuple(batches), context=context, decode_steps=ROUND_SLACK, prefill_tokens=context,
+        prefill_repeats=1, prefill_chunk=default_prefill_chunk("fast"),
+    )  # fmt: skip
     config = EngineConfig(
         max_concurrency=max(batches), queue_capacity=max(batches), queue_timeout_s=None,
-        max_context=context + 2 * steps, device="auto", cuda_graphs=True, warmup=True,
+        max_context=plan.max_context, device="auto", cuda_graphs=True, warmup=True,
     )  # fmt: skip
     engine = start_synthetic(package, config, seed=0).engine
     graphs = engine.core._program._graphs  # type: ignore[attr-defined]
@@ -158,14 +172,17 @@ def engine_graphs(
     try:
         gen = torch.Generator().manual_seed(0)
         for b in batches:
+            before = graphs.replays.get(b, 0)
             requests = [
                 GenerationRequest(prompt=torch.randint(100, 8000, (context,), generator=gen).tolist(),
-                                  max_tokens=steps, temperature=0.0, ignore_eos=True)
+                                  max_tokens=plan.decode_max_tokens(b), temperature=0.0, ignore_eos=True)
                 for _ in range(b)
             ]  # fmt: skip
             handles = [engine.submit(r) for r in requests]
             for handle in handles:
                 handle.result()
+            if graphs.replays.get(b, 0) == before:  # it would still hold the capture's placeholder step
+                raise RuntimeError(f"no decode round of {b} rows ran")
             replays[b] = graphs._graphs[b].graph.replay  # holds B rows' last decode step
     finally:
         engine.close()
@@ -209,7 +226,8 @@ def main() -> None:
     results = step_timelines(args.package, batches, args.context, args.replays, args.top)
     if not args.engine:
         return
-    torch.cuda.empty_cache()  # the step's weights are gone: one package's weights at a time fit
+    gc.collect()  # the step's weights go (one package's weights at a time fit on the device)
+    torch.cuda.empty_cache()
     engine, replays = engine_graphs(args.package, batches, args.context)
     for b, replay in replays.items():
         print(f"B={b}: the Engine's graph {time_us(replay) / 1e3:.3f} ms (no profiler)", flush=True)

@@ -105,7 +105,7 @@ def paged_attention(
 
 def gated_attention_output(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Attention output gate: o [N, nH, D] flattened to [N, nH*D] times sigmoid(gate), fp32 math."""
-    flat = o.reshape(o.shape[0], -1)
+    flat = o.flatten(1)
     return (flat.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
 

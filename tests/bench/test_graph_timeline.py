@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ninfer_tools.graph_timeline import kernel_events, marginal_table, split_replays
+import pytest
+from ninfer_tools.graph_timeline import (
+    by_kernel,
+    kernel_events,
+    marginal_table,
+    print_difference,
+    split_replays,
+)
 
 
 def _trace(path: Path, kernels: list[tuple[str, float, float, list[int]]]) -> str:
@@ -48,3 +55,20 @@ def test_a_kernel_ending_inside_an_earlier_one_costs_nothing_and_replays_split_e
     for replay in replays:
         span, rows = marginal_table(replay)
         assert span == 10.0 and rows["short [1, 1, 1]"] == (1, 3.0, 0.0)
+
+
+def test_kernels_summed_by_name_and_the_difference_of_two_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    """`by_kernel` sums every grid of a kernel; `print_difference` lists b - a per kernel [grid], largest
+    change first, a kernel only one side ran included, and the total."""
+    a = {"gemv [8, 1, 1]": (2, 10.0, 6.0), "gemv [4, 1, 1]": (1, 3.0, 2.0), "norm [1, 1, 1]": (3, 3.0, 1.5)}
+    b = {"gemv [8, 1, 1]": (2, 9.0, 5.0), "norm [1, 1, 1]": (3, 3.0, 1.5), "unpack [1, 1, 1]": (1, 2.0, 2.0)}
+    assert by_kernel(a) == {"gemv": (8.0, 13.0), "norm": (1.5, 3.0)}
+
+    print_difference(a, b, ("step", "engine"))
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "marginal us: engine - step (launches step / engine)"
+    assert [line.split()[0] for line in lines[1:]] == ["-2.0", "+2.0", "-1.0", "+0.0", "-1.0"]
+    assert lines[1].split()[1:] == ["1/0", "gemv", "[4,", "1,", "1]"]
+    assert lines[2].split()[1:3] == ["0/1", "unpack"]
+    assert lines[-1].split() == ["-1.0", "in", "all"]

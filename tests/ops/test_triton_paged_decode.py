@@ -127,17 +127,23 @@ def test_paged_decode_allocates_output_in_q_dtype(kernels: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["1split", "3splits"])
-def test_gated_output_equals_attention_then_sigmoid_gate(kernels: ModuleType, num_splits: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gated_output_equals_attention_then_sigmoid_gate(
+    kernels: ModuleType, num_splits: int, dtype: torch.dtype
+) -> None:
     """gate_qkv: the output gate applied where the output is written (single-split store or merge) gives
-    `sigmoid_gate` of the plain output bit for bit, and the reference's gated output; a padding row stays
-    zero; a badly shaped gate_qkv is refused before anything launches."""
+    `sigmoid_gate` of the plain output bit for bit (in fp16 too, where the output's rounding before the
+    gate matters), and the reference's gated output; a padding row stays zero; a badly shaped gate_qkv is
+    refused before anything launches."""
     from ninfer.ops.triton import attention_prologue
 
     gen = torch.Generator().manual_seed(40 + num_splits)
     n_heads, n_kv, head_dim = 6, 2, 32
     x = _paged_inputs([9, 0, 14], n_heads, n_kv, head_dim, 4, gen)
+    for name in ("q", "k_pages", "v_pages"):
+        x[name] = x[name].to(dtype)
     # the q projection with its gate columns, then k and v columns the gate must ignore (qkv's layout)
-    qkv = torch.randn(3, n_heads * 2 * head_dim + 2 * n_kv * head_dim, generator=gen)
+    qkv = torch.randn(3, n_heads * 2 * head_dim + 2 * n_kv * head_dim, generator=gen).to(dtype)
     plain = kernels.paged_decode_attention(**x, scale=0.25, num_splits=num_splits, block_n=4)
     want = attention_prologue.sigmoid_gate(plain, qkv, num_heads=n_heads, head_dim=head_dim)
     out = torch.full_like(plain, float("nan"))
@@ -147,15 +153,35 @@ def test_gated_output_equals_attention_then_sigmoid_gate(kernels: ModuleType, nu
     )
 
     assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(got.view(3, -1), want)
-    gate = split_q_gate(qkv[:, : n_heads * 2 * head_dim], n_heads, head_dim)[1]
-    live = [0, 2]
-    rows = {name: x[name][live] for name in ("q", "block_table", "context_lens")}
-    reference = reference_paged_decode_attention(**{**x, **rows}, scale=0.25)
-    torch.testing.assert_close(got.view(3, -1)[live], gated_attention_output(reference, gate[live]), **CLOSE)
+    assert torch.equal(got.flatten(1), want)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+    if dtype == torch.float32:
+        gate = split_q_gate(qkv[:, : n_heads * 2 * head_dim], n_heads, head_dim)[1]
+        live = [0, 2]
+        rows = {name: x[name][live] for name in ("q", "block_table", "context_lens")}
+        reference = reference_paged_decode_attention(**{**x, **rows}, scale=0.25)
+        want_reference = gated_attention_output(reference, gate[live])
+        torch.testing.assert_close(got.flatten(1)[live], want_reference, **CLOSE)
     with pytest.raises(ValueError, match="gate_qkv"):
         kernels.paged_decode_attention(**x, scale=0.25, gate_qkv=qkv[:, : n_heads * head_dim])
+
+
+def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """About one wave of (row, kv head, split) programs on 132 SMs, at least 16 splits, at most one per
+    32 positions of the table and 64 in all; 1 off CUDA (the rule needs no GPU: the SM count is patched)."""
+    from types import SimpleNamespace
+
+    from ninfer.ops.triton.paged_decode_attention import default_num_splits
+
+    h200 = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    cuda = torch.device("cuda")
+    assert default_num_splits(1, 2, 4096, cuda) == 64  # 66 wanted: capped
+    assert default_num_splits(4, 2, 4096, cuda) == 32  # 17 -> 32
+    assert default_num_splits(8, 2, 4096, cuda) == 16  # 9, raised to the floor of 16
+    assert default_num_splits(8, 4, 4096, cuda) == 16  # 5, raised to 16
+    assert default_num_splits(1, 2, 256, cuda) == 8  # one split per 32 positions of the table
+    assert default_num_splits(1, 2, 4096, torch.device("cpu")) == 1
 
 
 # ---- GPU, real shapes ----------------------------------------------------------------------------------
@@ -225,4 +251,4 @@ def test_gated_output_cuda_real_shapes(
     got = paged_decode_attention(**x, scale=head_dim**-0.5, num_splits=num_splits, out=out, gate_qkv=qkv)
 
     assert not got.isnan().any()
-    assert torch.equal(got.view(batch, -1), want)
+    assert torch.equal(got.flatten(1), want)

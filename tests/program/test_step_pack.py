@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
@@ -91,3 +92,10 @@ def test_unpack_on_the_host_gives_the_step_batch_fields() -> None:
         assert torch.equal(batch.block_table, tables[[3, 0, 4]])
         assert batch.fresh.dtype == torch.bool and batch.fresh.tolist() == [False, True, False]
         assert batch.inputs_embeds is None
+
+
+def test_fused_unpack_needs_cuda_tables_and_is_off_by_default() -> None:
+    """The Triton unpack is the fast op table's (the Program asks for it there, on CUDA only)."""
+    with pytest.raises(ValueError, match="fused_unpack needs the block tables on CUDA"):
+        StepBuilder(PAGE, torch.zeros(2, 4, dtype=torch.int32), fused_unpack=True)
+    assert not StepBuilder(PAGE, torch.zeros(2, 4, dtype=torch.int32)).fused_unpack

@@ -1,5 +1,5 @@
 """Triton paged decode attention, GQA packed, optional split-KV (fast path of the reference
-`ninfer.ops.attention.paged_decode_attention`, same signature and semantics).
+`ninfer.ops.attention.paged_decode_attention`, same signature and semantics, plus the optional gate).
 
 One query per row: q [B, nH, D]; K/V pages [P, page_size, nKV, D]; row r's context is the first
 context_lens[r] token slots of its pages block_table[r]. One program handles one (row, kv head, split)
@@ -262,7 +262,7 @@ def paged_decode_attention(
         return out
 
     gated = gate_qkv is not None
-    gate, gate_stride = (gate_qkv, gate_qkv.stride(0)) if gate_qkv is not None else (out, 0)  # unread if not
+    gate, gate_stride = (gate_qkv, gate_qkv.stride(0)) if gate_qkv is not None else (out, 0)  # unread then
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, block_table.shape[1] * page_size, q.device)

@@ -90,6 +90,7 @@ class Kernels:
         [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Variant], Tensor
     ]
     # (o [N, nH, D], qkv, variant) -> o * sigmoid(gate) [N, nH*D], the gate read from qkv's q columns
+    # (prefill; a decode step gates inside `gated_decode_attention`)
     attention_output_gate: Callable[[Tensor, Tensor, Variant], Tensor]
     # (w, variant, x [N, H], decode) -> [N, H] in x's dtype: the whole sparse MoE block (routing, routed
     # experts, sigmoid-gated shared expert); decode: a few tokens inside a CUDA graph (static, no sync)
@@ -166,18 +167,21 @@ def _reference_prefill_attention(
     )
 
 
+def _gated(o: Tensor, qkv: Tensor) -> Tensor:
+    """o [N, nH, D] times sigmoid of its gate columns in qkv (the interleaved q projection comes first)."""
+    _, heads, dim = o.shape
+    return gated_attention_output(o, split_q_gate(qkv[:, : heads * 2 * dim], heads, dim)[1])
+
+
 def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
-    gate = split_q_gate(qkv[:, : variant.q_proj_dim], variant.num_attention_heads, variant.head_dim)[1]
-    return gated_attention_output(o, gate)
+    return _gated(o, qkv)
 
 
 def _reference_gated_decode_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
     qkv: Tensor,
 ) -> Tensor:  # fmt: skip
-    o = reference_decode_attention(q, k_pages, v_pages, block_table, context_lens, scale)
-    _, heads, dim = q.shape
-    return gated_attention_output(o, split_q_gate(qkv[:, : heads * 2 * dim], heads, dim)[1])
+    return _gated(reference_decode_attention(q, k_pages, v_pages, block_table, context_lens, scale), qkv)
 
 
 def _reference_moe_block(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
@@ -536,14 +540,15 @@ def _fast_gated_decode_attention(
     qkv: Tensor,
 ) -> Tensor:  # fmt: skip
     """The output gate applied where the attention's output is written (the merge of the split-KV
-    partials): one dependent launch fewer per attention layer than attention + `sigmoid_gate`."""
+    partials, or the single-split kernel): one dependent launch fewer per attention layer than attention
+    + `sigmoid_gate`."""
     from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
     o = paged_decode_attention(
         q, k_pages, v_pages, block_table, context_lens, scale,
         launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv,
     )  # fmt: skip
-    return o.view(o.shape[0], -1)
+    return o.flatten(1)
 
 
 def _fast_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:

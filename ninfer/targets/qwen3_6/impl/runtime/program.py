@@ -216,7 +216,9 @@ class Qwen36Program:
         self._output_counts = torch.zeros(n, vocab, dtype=torch.int32, device=config.device)
         # block tables are resources built once: one row per sequence index, written at materialization
         self._block_tables = torch.zeros(n, self._max_pages_per_seq, dtype=torch.int32, device=config.device)
-        self._steps = StepBuilder(config.page_size, self._block_tables)
+        self._steps = StepBuilder(
+            config.page_size, self._block_tables, fused_unpack=self.kernels.name == "fast"
+        )
         self._sequences: dict[int, SequenceState] = {}
         self._generations = [0] * n
         self._revision = 0

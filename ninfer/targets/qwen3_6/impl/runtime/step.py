@@ -4,11 +4,12 @@ Rows, slots and pages are plain data here: the same builder serves prefill chunk
 forced control. A step's host facts travel as one packed int64 vector (`pack`: token ids, positions, KV
 slots, row bounds, context lengths, state slots, fresh flags, sequence indices) in one host-to-device
 copy; `unpack` turns the device copy into the `StepBatch` views, gathering the rows' block tables from
-the device-resident table (one row per sequence index, written at materialization); on CUDA the casts and
-the gather are one Triton launch (`ninfer.ops.triton.step_unpack`). A captured decode graph runs `unpack`
-inside the graph over its static packed buffer, so a decode step costs the host one copy and one replay.
-A decode step (one token per row, the common case between two decode rounds) has its own short path to the
-same layout, `decode_values`, which the graph writes straight into its pinned staging buffer.
+the device-resident table (one row per sequence index, written at materialization); with the fast op
+table the casts and the gather are one Triton launch (`ninfer.ops.triton.step_unpack`). A captured
+decode graph runs `unpack` inside the graph over its static packed buffer, so a decode step costs the
+host one copy and one replay. A decode step (one token per row, the common case between two decode
+rounds) has its own short path to the same layout, `decode_values`, which the graph writes straight
+into its pinned staging buffer.
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ class PackedStep:
 
 
 class StepBuilder:
-    def __init__(self, page_size: int, block_tables: torch.Tensor) -> None:
+    def __init__(self, page_size: int, block_tables: torch.Tensor, *, fused_unpack: bool = False) -> None:
+        """``fused_unpack``: `unpack`'s casts and table gather in one Triton launch (the fast op table, on
+        CUDA); otherwise the plain torch expressions (the reference table keeps Triton out entirely)."""
+        if fused_unpack and block_tables.device.type != "cuda":
+            raise ValueError(f"fused_unpack needs the block tables on CUDA, not {block_tables.device}")
         self.page_size = page_size
         self.block_tables = block_tables  # [max_sequences, max_pages] int32, on the device
         self.device = block_tables.device
+        self.fused_unpack = fused_unpack
 
     def pack(
         self,
@@ -172,10 +178,10 @@ class StepBuilder:
         return dataclasses.replace(packed, values=values.to(self.device, non_blocking=True))
 
     def unpack(self, packed: PackedStep) -> StepBatch:
-        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync (on CUDA
-        one Triton launch for the casts and the table gather, `ninfer.ops.triton.step_unpack`)."""
+        """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync (with
+        ``fused_unpack`` one Triton launch for the casts and the table gather, `step_unpack.unpack_step`)."""
         f = packed.fields()
-        if packed.values.device.type == "cuda":  # one launch in place of four small kernels per decode step
+        if self.fused_unpack:  # one launch in place of four small kernels per decode step
             from ninfer.ops.triton.step_unpack import unpack_step
 
             query_start, context_lens, block_table, fresh = unpack_step(
