@@ -118,6 +118,32 @@ def test_paged_decode_empty_splits_and_padding_row(kernels: ModuleType) -> None:
     assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
+def test_preloaded_blocks_and_merge_columns_give_the_same_bits(kernels: ModuleType) -> None:
+    """Key blocks loaded before the PDL wait (0, 1 or 2 of them, the row's newest position patched in after
+    it) and the merge over column blocks narrower than the head change no bit: the same blocks are
+    attended in the same order. Rows ending inside the first block, inside the second and past both;
+    empty trailing splits; the gated merge too."""
+    gen = torch.Generator().manual_seed(17)
+    n_heads, n_kv, head_dim = 8, 2, 64
+    x = _paged_inputs([5, 19, 40, 0], n_heads, n_kv, head_dim, 4, gen)
+    qkv = torch.randn(4, n_heads * 2 * head_dim + 2 * n_kv * head_dim, generator=gen)
+    runs = {
+        (preload, merge_block_d, gated): kernels.paged_decode_attention(
+            **x, scale=0.2, num_splits=3, block_n=4, preload_blocks=preload, merge_block_d=merge_block_d,
+            gate_qkv=qkv if gated else None,
+        )
+        for preload in (0, 1, 2)
+        for merge_block_d in (64, 16)
+        for gated in (False, True)
+    }  # fmt: skip
+    for (_, _, gated), got in runs.items():
+        assert torch.equal(got, runs[(0, 64, gated)])
+    live = [0, 1, 2]
+    rows = {name: x[name][live] for name in ("q", "block_table", "context_lens")}
+    expected = reference_paged_decode_attention(**{**x, **rows}, scale=0.2)
+    torch.testing.assert_close(runs[(1, 16, False)][live], expected, **CLOSE)
+
+
 def test_paged_decode_allocates_output_in_q_dtype(kernels: ModuleType) -> None:
     gen = torch.Generator().manual_seed(9)
     x = _paged_inputs([7, 3], 6, 1, 32, 4, gen)
@@ -168,7 +194,7 @@ def test_gated_output_equals_attention_then_sigmoid_gate(
 
 def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     """About one wave of (row, kv head, split) programs on 132 SMs, at least 16 splits, at most one per
-    32 positions of the table and 64 in all; 1 off CUDA (the rule needs no GPU: the SM count is patched)."""
+    32 positions of the table and 128 in all; 1 off CUDA (the rule needs no GPU: the SM count is patched)."""
     from types import SimpleNamespace
 
     from ninfer.ops.triton.paged_decode_attention import default_num_splits
@@ -176,7 +202,8 @@ def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     h200 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
     cuda = torch.device("cuda")
-    assert default_num_splits(1, 2, 4096, cuda) == 64  # 66 wanted: capped
+    assert default_num_splits(1, 2, 4096, cuda) == 128  # 66 wanted: the next power of two
+    assert default_num_splits(1, 4, 4096, cuda) == 64  # 33 wanted
     assert default_num_splits(4, 2, 4096, cuda) == 32  # 17 -> 32
     assert default_num_splits(8, 2, 4096, cuda) == 16  # 9, raised to the floor of 16
     assert default_num_splits(8, 4, 4096, cuda) == 16  # 5, raised to 16

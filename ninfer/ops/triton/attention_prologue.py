@@ -102,9 +102,13 @@ def _qk_norm_rope_kv_write_kernel(
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    # the token's KV slot is a step input (complete before this launch): read before the wait, so that the
+    # K/V heads' loads of qkv after it do not wait behind it
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < HEAD_DIM
     qkv_row = qkv_ptr + token * qkv_stride_row
@@ -122,7 +126,6 @@ def _qk_norm_rope_kv_write_kernel(
         kv_head = head - NUM_HEADS
         k_src = qkv_row + NUM_HEADS * 2 * HEAD_DIM + kv_head * HEAD_DIM
         v_src = k_src + NUM_KV_HEADS * HEAD_DIM
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:  # a negative slot is a padding token: nothing to cache
             page = slot // page_size
             offset = slot % page_size

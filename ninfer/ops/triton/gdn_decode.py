@@ -102,8 +102,13 @@ def _gdn_decode_kernel(
     state_tile = offs_k[:, None] * DV + offs_v[None, :]  # within one head's [dk, dv] state
 
     o_row = o_ptr + row.to(tl.int64) * num_tokens * NV * DV + head * DV
+    # the row's slots (step inputs, unpacked at its start: loaded at once, not after the recurrence) and
+    # fresh flag, the state tile (none for a padding row) and the gating parameters; with SETTLED before
+    # the wait
     slot_in = tl.load(state_in_ptr + row).to(tl.int64)
-    # the state tile (none for a padding row) and the gating parameters; with SETTLED before the wait
+    slot_out = tl.load(state_out_ptr + row).to(tl.int64)
+    if HAS_FRESH:
+        is_fresh = tl.load(fresh_ptr + row) != 0
     state_ptrs = pool_ptr + (tl.maximum(slot_in, 0) * NV + head) * DK * DV + state_tile
     state = tl.load(state_ptrs, mask=mask_state & (slot_in >= 0), other=0.0)
     a_log = tl.load(a_log_ptr + head)
@@ -115,7 +120,7 @@ def _gdn_decode_kernel(
             tl.store(o_row + t * NV * DV + offs_v, tl.zeros([BLOCK_V], tl.float32), mask=mask_v)
     else:
         if HAS_FRESH:  # a sequence's first token starts from the zero state, whatever its slot holds
-            state = tl.where(tl.load(fresh_ptr + row) != 0, 0.0, state)
+            state = tl.where(is_fresh, 0.0, state)
         decay_rate = tl.exp(a_log.to(tl.float32))
         dt_bias = dt_bias.to(tl.float32)
         for t in range(num_tokens):
@@ -155,10 +160,9 @@ def _gdn_decode_kernel(
             if WRITE_SCRATCH:
                 scratch_head = ((row.to(tl.int64) * num_tokens + t) * NV + head) * DK * DV
                 tl.store(scratch_ptr + scratch_head + state_tile, state, mask=mask_state)
-        if not WRITE_SCRATCH:
-            slot_out = tl.load(state_out_ptr + row).to(tl.int64)
-            if slot_out >= 0:
-                tl.store(pool_ptr + (slot_out * NV + head) * DK * DV + state_tile, state, mask=mask_state)
+        if not WRITE_SCRATCH:  # a negative slot_out: nothing persists
+            out_ptrs = pool_ptr + (tl.maximum(slot_out, 0) * NV + head) * DK * DV + state_tile
+            tl.store(out_ptrs, state, mask=mask_state & (slot_out >= 0))
 
 
 def _with_tokens(x: torch.Tensor, per_token_dims: int) -> torch.Tensor:
@@ -203,6 +207,8 @@ def gdn_decode_step(
     the pool written by an earlier step; `pdl`), so the state tile and the gating parameters load before
     the programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
+
+
     squeeze_tokens = q.dim() == 3
     q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)
     a, b = _with_tokens(a, 1), _with_tokens(b, 1)

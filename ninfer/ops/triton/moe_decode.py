@@ -59,6 +59,10 @@ _MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
 # the two-launch kernel has in flight at once too).
 _MAX_PRELOAD_BYTES = 288
 EARLY_DOWN_MAX_PAIRS = 8  # the early down launch by default: one token (faster at T = 1, slower at T = 8)
+# Registers of the early down kernel: 162 uncapped at Qwen3.6's T = 1 tiles, 3 programs per SM, so its 512
+# programs ran in 1.3 waves; at 128 (140 bytes spilled) 4 fit and they are one wave. H200, 35B-A3B decode
+# graph at B = 1 (`tools.ab_step`, three rounds): 2.008 -> 1.988 ms (docs/benchmarks.md, run 17's session).
+EARLY_DOWN_MAXNREG = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +290,9 @@ def _early_down_combine_kernel(
 
     pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
 
-    # ---- after the wait: `_decode_down_combine_kernel`'s arithmetic, its loads of the tiles above skipped
+    # ---- after the wait: `_decode_down_combine_kernel`'s arithmetic, its loads of the tiles above skipped;
+    # the shared expert's weight is loaded first, with the rest, rather than after the sums
+    shared_weight = tl.load(shared_weight_ptr + token * shared_weight_stride_t).to(tl.float32)
     shared_hidden_ptrs = hidden_ptr + (token * SLOTS + TOP_K) * INTER_SIZE + offs_i
     shared_acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
     for step in tl.static_range(I_STEPS):
@@ -332,8 +338,11 @@ def _early_down_combine_kernel(
         # each expert output rounded to the model dtype, then weighted in fp32 (as the reference does)
         expert_out = tl.sum(acc, axis=2).to(io_dtype).to(tl.float32)  # [experts, BLOCK_H]
         out += tl.sum(weight[:, None] * expert_out, axis=0)
-    out += tl.load(shared_weight_ptr + token * shared_weight_stride_t).to(tl.float32) * shared_out
+    out += shared_weight * shared_out
     tl.store(out_ptr + token * out_stride_t + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+
 
 
 def _check(
@@ -437,7 +446,7 @@ def _early_down_combine(
         BLOCK_H=config.down_block_h, BLOCK_I=block_i, I_STEPS=i_steps, EXPERTS_PER_STEP=per_step,
         INTER_SIZE=inter_size, EVEN_I=inter_size % block_i == 0, PRELOAD_GROUPS=preload_groups,
         PRELOAD_STEPS=preload_steps, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=config.down_warps,
-        USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
+        maxnreg=EARLY_DOWN_MAXNREG, USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
 
 
@@ -467,6 +476,8 @@ def moe_decode_block(
     EARLY_DOWN_MAX_PAIRS (the H200 A/B in the module docstring). launch_next_early: the early down launch
     lets the next kernel launch before its own wait (`pdl`; the plain one does not).
     """
+
+
     _check(x, projected, gate_up, shared_expert_gate, top_k)  # before anything is launched
     tokens, hidden_size = x.shape
     if down.shape != (gate_up.shape[0], hidden_size, gate_up.shape[1] // 2) or down.stride(-1) != 1:

@@ -11,7 +11,19 @@ read from context_lens on the device, so the cost follows the live length, and t
 
 Split-KV (`num_splits` > 1) cuts each row's context into equal ranges handled by separate programs
 (decode at small B has too few (row, kv head) pairs to fill the GPU); a second kernel merges their
-partial outputs with their log-sum-exps.
+partial outputs with their log-sum-exps, each merge program over `merge_block_d` columns of one head
+(64 of 256: a [splits, 64] fp32 tile, where the whole head's took 255 registers at 64 splits).
+
+Under programmatic dependent launch each split program loads its first `preload_blocks` key blocks' K
+and V before its wait (`pdl`): the row's length and table are step inputs and every position but the
+row's newest was written by an earlier step. The newest position is the one the attention prologue,
+the kernel just before this one, is writing; after the wait the program that holds it in a preloaded
+block loads that row again and puts it in place. So the first key block's HBM latency overlaps the
+kernels before, instead of following the row length and table loads after the wait. The merge issues
+its log-sum-exp, partial and gate loads at once (every split stores its partial, zeros when its range
+is empty, so the partials' loads need not wait for the log-sum-exps). H200, 35B-A3B decode graph at
+2,064 positions (`tools.ab_step`, 2026-11-30): both together B = 1 2.029 -> 2.011 ms, B = 8 5.712 ->
+5.699 (round 2 of two; docs/benchmarks.md, run 17's session).
 
 With ``gate_qkv`` the output gate of Qwen3.6's gated attention is applied where the output is written
 (the single-split kernel or the merge): o, rounded to q's dtype, times sigmoid(gate) in fp32, the gate read
@@ -34,18 +46,54 @@ __all__ = ["paged_decode_attention", "default_num_splits"]
 
 
 @triton.jit
+def _load_gate(gate_ptr, row, heads, offs_d, mask, gate_stride_b, HEAD_DIM: tl.constexpr):
+    """Head h's output gate: columns h*2D + D .. h*2D + 2D - 1 of the interleaved q projection."""
+    return tl.load(gate_ptr + row * gate_stride_b + heads * 2 * HEAD_DIM + HEAD_DIM + offs_d, mask=mask)
+
+
+@triton.jit
 def _store_output(
-    out_ptr, gate_ptr, row, heads, offs_d, mask, out_stride_b, out_stride_h, gate_stride_b, o,
-    HEAD_DIM: tl.constexpr, GATED: tl.constexpr,
+    out_ptr, row, heads, offs_d, mask, out_stride_b, out_stride_h, o, gate, GATED: tl.constexpr
 ):  # fmt: skip
     """Store o [rows of heads, D] (fp32) in out's dtype; GATED: times sigmoid(gate) first, as `sigmoid_gate`
     does it (o rounded to out's dtype, then fp32 math, rounded again)."""
     y = o.to(out_ptr.dtype.element_ty)
     if GATED:
-        # head h's gate: columns h*2D + D .. h*2D + 2D - 1 of the interleaved q projection
-        gate = tl.load(gate_ptr + row * gate_stride_b + heads * 2 * HEAD_DIM + HEAD_DIM + offs_d, mask=mask)
         y = (y.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride_b + heads * out_stride_h + offs_d, y, mask=mask)
+
+
+@triton.jit
+def _kv_block(
+    k_pages_ptr, v_pages_ptr, table_row, block_start, end, kv_head, offs_n, offs_d, mask_d,
+    k_stride_page, k_stride_slot, k_stride_head, v_stride_page, v_stride_slot, v_stride_head,
+    PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    """The K and V tiles [BLOCK_N, BLOCK_D] of positions block_start.. (masked at end) -> (positions, live
+    mask, k, v)."""
+    positions = block_start + offs_n
+    mask_n = positions < end
+    pages = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    in_page = positions % PAGE_SIZE
+    mask_kv = mask_n[:, None] & mask_d[None, :]
+    k_offs = pages * k_stride_page + in_page * k_stride_slot + kv_head * k_stride_head
+    k = tl.load(k_pages_ptr + k_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+    v_offs = pages * v_stride_page + in_page * v_stride_slot + kv_head * v_stride_head
+    v = tl.load(v_pages_ptr + v_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+    return positions, mask_n, k, v
+
+
+@triton.jit
+def _attend(q, k, v, mask_n, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: (m_i, l_i, acc) updated. The block holds a live position."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+    scores = tl.where(mask_n[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the block holds a live position
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -82,14 +130,18 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GATED: tl.constexpr,
+    PRELOAD_BLOCKS: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.enter_launching_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # ---- before the wait: the row's length and table (the step's inputs, unpacked at its start) and
+    # the first PRELOAD_BLOCKS key blocks' K and V (written by earlier steps, except the row's newest
+    # position, which the prologue just before this kernel is writing: patched after the wait)
     context_len = tl.load(context_lens_ptr + row)
     # equal ranges per split, rounded up to whole key blocks; trailing splits may be empty
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -102,42 +154,72 @@ def _paged_decode_kernel(
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
+    table_row = block_table_ptr + row.to(tl.int64) * block_table_stride
+    preloaded = ()  # (positions, mask_n, k, v) of block i at 4 * i
+    for i in tl.static_range(PRELOAD_BLOCKS):
+        preloaded = preloaded + _kv_block(
+            k_pages_ptr, v_pages_ptr, table_row, start + i * BLOCK_N, end, kv_head, offs_n, offs_d, mask_d,
+            k_stride_page, k_stride_slot, k_stride_head, v_stride_page, v_stride_slot, v_stride_head,
+            PAGE_SIZE,
+        )  # fmt: skip
+    if PRELOAD_BLOCKS > 0:
+        newest = context_len - 1
+        has_newest = (newest >= start) & (newest < tl.minimum(end, start + PRELOAD_BLOCKS * BLOCK_N))
+        newest_page = tl.load(table_row + newest // PAGE_SIZE, mask=has_newest, other=0).to(tl.int64)
+        newest_slot = newest % PAGE_SIZE
+
+    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+
     q = tl.load(
         q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
     )
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = block_table_ptr + row.to(tl.int64) * block_table_stride
-    for block_start in range(start, end, BLOCK_N):
-        positions = block_start + offs_n
-        mask_n = positions < end
-        pages = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_page = positions % PAGE_SIZE
-        mask_kv = mask_n[:, None] & mask_d[None, :]
-        k_offs = pages * k_stride_page + in_page * k_stride_slot + kv_head * k_stride_head
-        k = tl.load(k_pages_ptr + k_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every block holds a live position
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_offs = pages * v_stride_page + in_page * v_stride_slot + kv_head * v_stride_head
-        v = tl.load(v_pages_ptr + v_offs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if PRELOAD_BLOCKS > 0:
+        # the newest position's K and V as the prologue wrote them (this program's own preloaded copy of
+        # that slot may predate the write)
+        mask_new = mask_d & has_newest
+        new_k = tl.load(
+            k_pages_ptr + newest_page * k_stride_page + newest_slot * k_stride_slot + kv_head * k_stride_head
+            + offs_d, mask=mask_new, other=0.0,
+        )  # fmt: skip
+        new_v = tl.load(
+            v_pages_ptr + newest_page * v_stride_page + newest_slot * v_stride_slot + kv_head * v_stride_head
+            + offs_d, mask=mask_new, other=0.0,
+        )  # fmt: skip
+        for i in tl.static_range(PRELOAD_BLOCKS):
+            positions = preloaded[4 * i]
+            mask_n = preloaded[4 * i + 1]
+            k = preloaded[4 * i + 2]
+            v = preloaded[4 * i + 3]
+            if start + i * BLOCK_N < end:
+                is_new = (positions == newest)[:, None]
+                k = tl.where(is_new, new_k[None, :], k)
+                v = tl.where(is_new, new_v[None, :], v)
+                m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, scale, DOT_PRECISION)
+    for block_start in range(start + PRELOAD_BLOCKS * BLOCK_N, end, BLOCK_N):
+        positions, mask_n, k, v = _kv_block(
+            k_pages_ptr, v_pages_ptr, table_row, block_start, end, kv_head, offs_n, offs_d, mask_d,
+            k_stride_page, k_stride_slot, k_stride_head, v_stride_page, v_stride_slot, v_stride_head,
+            PAGE_SIZE,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, scale, DOT_PRECISION)
 
     live = l_i > 0.0  # false only for an empty range (padding row or an unused trailing split)
     normed = acc / tl.where(live, l_i, 1.0)[:, None]
     mask_out = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
+        gate = 0.0
+        if GATED:
+            gate = _load_gate(
+                gate_ptr, row, heads[:, None], offs_d[None, :], mask_out, gate_stride_b, HEAD_DIM
+            )
         _store_output(
-            out_ptr, gate_ptr, row, heads[:, None], offs_d[None, :], mask_out, out_stride_b, out_stride_h,
-            gate_stride_b, normed, HEAD_DIM, GATED,
+            out_ptr, row, heads[:, None], offs_d[None, :], mask_out, out_stride_b, out_stride_h, normed, gate,
+            GATED,
         )  # fmt: skip
     else:
         partial_row = (row.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
@@ -168,44 +250,49 @@ def _merge_splits_kernel(
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
     mask_d = offs_d < HEAD_DIM
     base = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    # three independent loads, all issued at once: every split wrote its partial (zeros when its range
+    # was empty), so the partials need not wait for the log-sum-exps to say which splits are live
+    gate = 0.0
+    if GATED:
+        gate = _load_gate(gate_ptr, row, head, offs_d, mask_d, gate_stride_b, HEAD_DIM)
     lse = tl.load(partial_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    partial = tl.load(
+        partial_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     live = lse > float("-inf")
     lse_max = tl.max(tl.where(live, lse, -3.0e38), axis=0)  # finite even when no split is live
     weights = tl.where(live, tl.exp(lse - lse_max), 0.0)
-    partial = tl.load(
-        partial_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=live[:, None] & mask_d[None, :],
-        other=0.0,
-    )
     total = tl.sum(weights, axis=0)
     merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    _store_output(
-        out_ptr, gate_ptr, row, head, offs_d, mask_d, out_stride_b, out_stride_h, gate_stride_b, merged,
-        HEAD_DIM, GATED,
-    )  # fmt: skip
+    _store_output(out_ptr, row, head, offs_d, mask_d, out_stride_b, out_stride_h, merged, gate, GATED)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Static split count (no host sync): about one wave of programs over the GPU's SMs, but at least 16
-    splits, at most one per 32 positions of the table's capacity and 64 in all. 1 on CPU.
+    splits, at most one per 32 positions of the table's capacity and 128 in all. 1 on CPU.
 
     Tuned on the H200 (`tools/kernel_bench/small_ops.py`, 27B and 35B-A3B shapes, context 2k and 8k): at
     B = 1 64 splits beat 8 (2k: 15 vs 24 us; 8k: 25 vs 70 us). Inside the decode graph (`tools.ab_step`,
     context 2k): 35B-A3B at B = 8 took 16 splits over the two waves' 32 in three sessions (5.985 -> 5.953,
     5.823 -> 5.800 and 5.720 -> 5.704 ms), while 27B at B = 8 with one wave's 8 was 0.06 ms slower than
     with 16 (hence the floor). Where this rule and the two-wave one differ at other B, they timed within
-    0.05 ms of each other (35B-A3B B = 4 +0.017, B = 6 -0.011; 27B B = 2 +0.043, B = 4 -0.037 ms).
+    0.05 ms of each other (35B-A3B B = 4 +0.017, B = 6 -0.011; 27B B = 2 +0.043, B = 4 -0.037 ms). The cap
+    was 64: 35B-A3B at B = 1 (2 kv heads) now takes 128, so that at 2,049-4,096 positions every split is
+    one key block, loaded before the PDL wait: 2.006 -> 1.987 ms at 2,064 positions (three rounds, run 17's
+    session).
     """
     if device.type != "cuda":
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = max(16, triton.cdiv(sm_count, max(1, batch * num_kv_heads)))
     cap = max(1, triton.cdiv(max_context, 32))
-    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 64))
+    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 128))
 
 
 def paged_decode_attention(
@@ -223,6 +310,8 @@ def paged_decode_attention(
     num_stages: int = 2,
     launch_next_early: bool = False,
     gate_qkv: torch.Tensor | None = None,
+    preload_blocks: int = 1,
+    merge_block_d: int = 64,
 ) -> torch.Tensor:
     """Decode attention over paged K/V -> [B, nH, D] in q's dtype (fp32 softmax and accumulation).
 
@@ -233,6 +322,8 @@ def paged_decode_attention(
     `gate_qkv` [B, >= nH*2D] (row stride free, last dim contiguous): the output is gated, o * sigmoid(gate)
     with head h's gate in columns h*2D + D .. h*2D + 2D - 1 (`attention_prologue.sigmoid_gate`'s result,
     bit for bit, as [B, nH, D]: view it as [B, nH*D]).
+    `preload_blocks`: key blocks each split program loads before its PDL wait (module docstring);
+    `merge_block_d`: head-dim columns per merge program.
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_pages.shape
@@ -286,15 +377,17 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), gate_stride,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision, GATED=gated,
-        LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps, num_stages=num_stages,
+        PRELOAD_BLOCKS=preload_blocks, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
+        num_stages=num_stages,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
+        merge_block_d = min(block_d, triton.next_power_of_2(merge_block_d))
+        _merge_splits_kernel[(batch, num_heads, triton.cdiv(head_dim, merge_block_d))](
             partial_out, partial_lse, out, gate,
             out.stride(0), out.stride(1), gate_stride,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, GATED=gated,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=merge_block_d, GATED=gated,
             LAUNCH_NEXT_EARLY=launch_next_early, num_warps=4,
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
