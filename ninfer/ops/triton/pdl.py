@@ -16,7 +16,8 @@ when it launches it early, below): the residual stream in `norm` (four launches 
 `moe_decode`'s early down kernel (two), the step's inputs (slots, lengths, block tables: unpacked at the
 step's start) in the attention prologue, the recurrence and the decode attention, and the K/V of every
 position but the newest in the decode attention. Results are unchanged. Kernels of other libraries
-(cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the programmatic edges (CUDA 12.3+).
+(cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the programmatic
+edges (CUDA 12.3+).
 
 A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, or
 `enter_launching_next` where nothing loads before the wait; the ops' ``launch_next_early=True``). The
