@@ -207,8 +207,6 @@ def gdn_decode_step(
     the pool written by an earlier step; `pdl`), so the state tile and the gating parameters load before
     the programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
-
-
     squeeze_tokens = q.dim() == 3
     q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)
     a, b = _with_tokens(a, 1), _with_tokens(b, 1)

@@ -342,9 +342,6 @@ def _early_down_combine_kernel(
     tl.store(out_ptr + token * out_stride_t + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
-
-
-
 def _check(
     x: torch.Tensor,
     projected: torch.Tensor,
@@ -476,8 +473,6 @@ def moe_decode_block(
     EARLY_DOWN_MAX_PAIRS (the H200 A/B in the module docstring). launch_next_early: the early down launch
     lets the next kernel launch before its own wait (`pdl`; the plain one does not).
     """
-
-
     _check(x, projected, gate_up, shared_expert_gate, top_k)  # before anything is launched
     tokens, hidden_size = x.shape
     if down.shape != (gate_up.shape[0], hidden_size, gate_up.shape[1] // 2) or down.stride(-1) != 1:
