@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import triton
@@ -144,85 +143,76 @@ def compile_offline(
     )
 
 
-def _presets() -> dict[str, Callable[[int], Report]]:
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    kernel: Any  # a @triton.jit function
+    constexprs: dict[str, Any]
+    types: dict[str, str]
+    num_warps: int = 4
+    maxnreg: int | None = None
+
+
+def presets() -> dict[str, Preset]:
     """Qwen3.6-35B-A3B one-row decode kernels with the fast table's tiles (16 query and 2 KV heads of 256,
     128 splits; 256 experts, top-8, width 512, hidden 2048; 32 value heads of 128x128 GDN state)."""
     from ninfer.ops.triton import gdn_decode, moe_decode, paged_decode_attention
 
-    def attention(arch: int) -> Report:
-        constexprs = dict(
-            NUM_HEADS=16, GROUP=8, HEAD_DIM=256, PAGE_SIZE=64, NUM_SPLITS=128, BLOCK_G=16, BLOCK_D=256,
-            BLOCK_N=32, DOT_PRECISION="tf32", GATED=True, PRELOAD_BLOCKS=1, LAUNCH_NEXT_EARLY=True,
-            USE_PDL=True,
-        )  # fmt: skip
-        types = {"scale": "fp32", "block_table_ptr": "*i32", "context_lens_ptr": "*i32",
-                 "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}  # fmt: skip
-        return compile_offline(
-            "paged_decode", paged_decode_attention._paged_decode_kernel, constexprs, types=types, arch=arch
-        )
-
-    def merge(arch: int) -> Report:
-        constexprs = dict(
-            NUM_HEADS=16, HEAD_DIM=256, NUM_SPLITS=128, BLOCK_S=128, BLOCK_D=64, GATED=True,
-            LAUNCH_NEXT_EARLY=True, USE_PDL=True,
-        )  # fmt: skip
-        types = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
-        return compile_offline(
-            "merge_splits", paged_decode_attention._merge_splits_kernel, constexprs, types=types, arch=arch
-        )
-
-    def gate_up(arch: int) -> Report:
-        config = moe_decode.default_gate_up_config(8)
-        constexprs = dict(
-            NUM_EXPERTS=256, TOP_K=8, BLOCK_E=256, BLOCK_SLOTS=8, BLOCK_N=config.block_n,
-            N_LOOP=config.n_loop, BLOCK_K=2048, K_STEPS=1, HIDDEN_SIZE=2048, EVEN_K=True, BLOCK_H=2048,
-            USE_PDL=True,
-        )  # fmt: skip
-        types = {"weights_ptr": "*fp32", "ids_ptr": "*i32", "shared_weight_ptr": "*fp32"}
-        return compile_offline(
-            "routed_gate_up", moe_decode._routed_gate_up_kernel, constexprs, types=types,
-            num_warps=config.warps, arch=arch,
-        )  # fmt: skip
-
-    def down(arch: int) -> Report:
-        constexprs = dict(
-            NUM_EXPERTS=256, TOP_K=8, BLOCK_E=256, BLOCK_H=4, BLOCK_I=512, I_STEPS=1, EXPERTS_PER_STEP=8,
-            INTER_SIZE=512, EVEN_I=True, PRELOAD_GROUPS=1, PRELOAD_STEPS=1, LAUNCH_NEXT_EARLY=True,
-            USE_PDL=True,
-        )  # fmt: skip
-        types = {"weights_ptr": "*fp32", "shared_weight_ptr": "*fp32"}
-        return compile_offline(
-            "early_down", moe_decode._early_down_combine_kernel, constexprs, types=types,
-            maxnreg=moe_decode.EARLY_DOWN_MAXNREG, arch=arch,
-        )  # fmt: skip
-
-    def recurrence(arch: int) -> Report:
-        constexprs = dict(
-            NV=32, GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, WRITE_SCRATCH=False, HAS_FRESH=True,
-            SETTLED=True, LAUNCH_NEXT_EARLY=True, USE_PDL=True,
-        )  # fmt: skip
-        types = {"state_in_ptr": "*i64", "state_out_ptr": "*i64", "fresh_ptr": "*i1", "pool_ptr": "*fp32",
-                 "scratch_ptr": "*fp32", "o_ptr": "*fp32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
-                 "scale": "fp32", "eps": "fp32"}  # fmt: skip
-        return compile_offline(
-            "gdn_decode", gdn_decode._gdn_decode_kernel, constexprs, types=types, arch=arch
-        )
-
-    return {"paged_decode": attention, "merge_splits": merge, "routed_gate_up": gate_up, "early_down": down,
-            "gdn_decode": recurrence}  # fmt: skip
+    gate_up = moe_decode.default_gate_up_config(8)
+    fp32, pdl = "*fp32", {"LAUNCH_NEXT_EARLY": True, "USE_PDL": True}
+    return {
+        "paged_decode": Preset(
+            paged_decode_attention._paged_decode_kernel,
+            dict(NUM_HEADS=16, GROUP=8, HEAD_DIM=256, PAGE_SIZE=64, NUM_SPLITS=128, BLOCK_G=16, BLOCK_D=256,
+                 BLOCK_N=32, DOT_PRECISION="tf32", GATED=True, PRELOAD_BLOCKS=1, **pdl),
+            {"scale": "fp32", "block_table_ptr": "*i32", "context_lens_ptr": "*i32", "partial_out_ptr": fp32,
+             "partial_lse_ptr": fp32},
+        ),
+        "merge_splits": Preset(
+            paged_decode_attention._merge_splits_kernel,
+            dict(NUM_HEADS=16, HEAD_DIM=256, NUM_SPLITS=128, BLOCK_S=128, BLOCK_D=64, GATED=True, **pdl),
+            {"partial_out_ptr": fp32, "partial_lse_ptr": fp32},
+        ),
+        "routed_gate_up": Preset(
+            moe_decode._routed_gate_up_kernel,
+            dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_E=256, BLOCK_SLOTS=8, BLOCK_N=gate_up.block_n,
+                 N_LOOP=gate_up.n_loop, BLOCK_K=2048, K_STEPS=1, HIDDEN_SIZE=2048, EVEN_K=True, BLOCK_H=2048,
+                 USE_PDL=True),
+            {"weights_ptr": fp32, "ids_ptr": "*i32", "shared_weight_ptr": fp32},
+            num_warps=gate_up.warps,
+        ),
+        "early_down": Preset(
+            moe_decode._early_down_combine_kernel,
+            dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_E=256, BLOCK_H=4, BLOCK_I=512, I_STEPS=1, EXPERTS_PER_STEP=8,
+                 INTER_SIZE=512, EVEN_I=True, PRELOAD_GROUPS=1, PRELOAD_STEPS=1, **pdl),
+            {"weights_ptr": fp32, "shared_weight_ptr": fp32},
+            maxnreg=moe_decode.EARLY_DOWN_MAXNREG,
+        ),
+        "gdn_decode": Preset(
+            gdn_decode._gdn_decode_kernel,
+            dict(NV=32, GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, WRITE_SCRATCH=False, HAS_FRESH=True,
+                 SETTLED=True, **pdl),
+            {"state_in_ptr": "*i64", "state_out_ptr": "*i64", "fresh_ptr": "*i1", "pool_ptr": fp32,
+             "scratch_ptr": fp32, "o_ptr": fp32, "a_log_ptr": fp32, "dt_bias_ptr": fp32, "scale": "fp32",
+             "eps": "fp32"},
+        ),
+    }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
-    parser.add_argument("--only", help="one preset: " + ", ".join(_presets()))
+    parser.add_argument("--only", help="one preset (default: all of them)")
     parser.add_argument("--sass", action="store_true", help="also print each kernel's SASS opcode order")
     args = parser.parse_args()
-    presets = _presets()
-    names = [args.only] if args.only else list(presets)
+    table = presets()
+    names = [args.only] if args.only else list(table)
     print(f"{'kernel':<16} {'regs':>5} {'spill st/ld B':>14} {'smem B':>8} {'warps':>5} {'programs/SM':>12}")
     for name in names:
-        report = presets[name](args.arch)
+        preset = table[name]
+        report = compile_offline(
+            name, preset.kernel, preset.constexprs, types=preset.types, num_warps=preset.num_warps,
+            maxnreg=preset.maxnreg, arch=args.arch,
+        )  # fmt: skip
         spills = f"{report.spill_store_bytes}/{report.spill_load_bytes}"
         print(
             f"{name:<16} {report.registers:>5} {spills:>14} {report.shared_bytes:>8} {report.num_warps:>5} "

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import triton
 import triton.language as tl
-from ninfer_tools.triton_offline import Report, collapse_ops, compile_offline, signature, tools_available
+from ninfer_tools.triton_offline import (
+    Report,
+    collapse_ops,
+    compile_offline,
+    presets,
+    signature,
+    tools_available,
+)
 
 pytestmark = pytest.mark.skipif(not tools_available(), reason="ptxas / nvdisasm not found")
 
@@ -54,3 +61,13 @@ def test_collapse_ops_keeps_order_and_counts_runs() -> None:
         "/*0050*/ STG.E [R6.64], R4 ;",
     ])  # fmt: skip
     assert collapse_ops(sass) == "LDGx2 FFMAx1 STGx1"
+
+
+def test_presets_compile_against_the_kernels_as_they_are() -> None:
+    """Each preset names every constexpr its kernel takes (a kernel that gains or loses one breaks it)."""
+    for name, preset in presets().items():
+        report = compile_offline(
+            name, preset.kernel, preset.constexprs, types=preset.types, num_warps=preset.num_warps,
+            maxnreg=preset.maxnreg,
+        )  # fmt: skip
+        assert 0 < report.registers <= (preset.maxnreg or 255), name
