@@ -163,7 +163,8 @@ def presets() -> dict[str, Preset]:
         "paged_decode": Preset(
             paged_decode_attention._paged_decode_kernel,
             dict(NUM_HEADS=16, GROUP=8, HEAD_DIM=256, PAGE_SIZE=64, NUM_SPLITS=128, BLOCK_G=16, BLOCK_D=256,
-                 BLOCK_N=32, DOT_PRECISION="tf32", GATED=True, PRELOAD_BLOCKS=1, **pdl),
+                 BLOCK_N=32, DOT_PRECISION="tf32", GATED=True, SETTLED=True, PRELOAD_BLOCKS=1,
+                 STALE_NEWEST=False, **pdl),
             {"scale": "fp32", "block_table_ptr": "*i32", "context_lens_ptr": "*i32", "partial_out_ptr": fp32,
              "partial_lse_ptr": fp32},
         ),

@@ -119,29 +119,36 @@ def test_paged_decode_empty_splits_and_padding_row(kernels: ModuleType) -> None:
 
 
 def test_preloaded_blocks_and_merge_columns_give_the_same_bits(kernels: ModuleType) -> None:
-    """Key blocks loaded before the PDL wait (0, 1 or 2 of them, the row's newest position patched in after
-    it) and the merge over column blocks narrower than the head change no bit: the same blocks are
-    attended in the same order. Rows ending inside the first block, inside the second and past both;
-    empty trailing splits; the gated merge too."""
+    """Key blocks loaded before the PDL wait (settled inputs; 0, 1 or 2 blocks, the row's newest position
+    loaded again after it) and the merge over column blocks narrower than the head change no bit: the
+    same blocks are attended in the same order. Rows ending inside the first block, inside the second and
+    past both; empty trailing splits; a page size (3) that does not divide the key block (4); the gated
+    merge too. With the early copy of each newest row poisoned (what a read that raced the prologue
+    would leave), the reload must put the written row back: still the same bits."""
     gen = torch.Generator().manual_seed(17)
     n_heads, n_kv, head_dim = 8, 2, 64
-    x = _paged_inputs([5, 19, 40, 0], n_heads, n_kv, head_dim, 4, gen)
+    x = _paged_inputs([5, 19, 40, 0], n_heads, n_kv, head_dim, 3, gen)
     qkv = torch.randn(4, n_heads * 2 * head_dim + 2 * n_kv * head_dim, generator=gen)
     runs = {
-        (preload, merge_block_d, gated): kernels.paged_decode_attention(
-            **x, scale=0.2, num_splits=3, block_n=4, preload_blocks=preload, merge_block_d=merge_block_d,
-            gate_qkv=qkv if gated else None,
+        (settled, preload, merge_block_d, gated, stale): kernels.paged_decode_attention(
+            **x, scale=0.2, num_splits=3, block_n=4, settled=settled, preload_blocks=preload,
+            merge_block_d=merge_block_d, gate_qkv=qkv if gated else None, stale_newest_for_tests=stale,
         )
-        for preload in (0, 1, 2)
+        for settled, preload in ((False, 1), (True, 0), (True, 1), (True, 2))
         for merge_block_d in (64, 16)
         for gated in (False, True)
+        for stale in (False, True)
     }  # fmt: skip
-    for (_, _, gated), got in runs.items():
-        assert torch.equal(got, runs[(0, 64, gated)])
+    for (_, _, _, gated, _), got in runs.items():
+        assert torch.equal(got, runs[(False, 1, 64, gated, False)])
     live = [0, 1, 2]
     rows = {name: x[name][live] for name in ("q", "block_table", "context_lens")}
     expected = reference_paged_decode_attention(**{**x, **rows}, scale=0.2)
-    torch.testing.assert_close(runs[(1, 16, False)][live], expected, **CLOSE)
+    torch.testing.assert_close(runs[(True, 1, 16, False, False)][live], expected, **CLOSE)
+    with pytest.raises(ValueError, match="preload_blocks"):
+        kernels.paged_decode_attention(**x, scale=0.2, preload_blocks=-1)
+    with pytest.raises(ValueError, match="merge_block_d"):
+        kernels.paged_decode_attention(**x, scale=0.2, merge_block_d=0)
 
 
 def test_paged_decode_allocates_output_in_q_dtype(kernels: ModuleType) -> None:

@@ -99,16 +99,20 @@ def _qk_norm_rope_kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SETTLED: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    if not SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    # the token's KV slot is a step input (complete before this launch): read before the wait, so that the
-    # K/V heads' loads of qkv after it do not wait behind it
+    # SETTLED: the token's KV slot (a step input) is read before the wait, so that the K/V heads' loads of
+    # qkv after it do not wait behind it
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    if SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < HEAD_DIM
     qkv_row = qkv_ptr + token * qkv_stride_row
@@ -192,6 +196,7 @@ def qk_norm_rope_kv_write(
     head_dim: int,
     eps: float,
     out: torch.Tensor | None = None,
+    settled: bool = False,
     launch_next_early: bool = False,
 ) -> torch.Tensor:
     """Normed, roped q [N, nH, D] from qkv; normed, roped k and raw v written into the KV pages.
@@ -205,7 +210,8 @@ def qk_norm_rope_kv_write(
     Equals `kernels.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and the
     same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
     dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv).
-    `launch_next_early`: see `pdl`.
+    `settled=True`: slot_mapping is complete before this kernel can launch (a step input; `pdl`), so it
+    loads before the programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
     n = qkv.shape[0]
     d = head_dim
@@ -247,7 +253,7 @@ def qk_norm_rope_kv_write(
         k_pages.shape[1], eps,
         MODEL_DTYPE=_TL_DTYPES[qkv.dtype],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, ROTARY_DIM=rotary_dim, BLOCK_D=block_d,
-        LAUNCH_NEXT_EARLY=launch_next_early, num_warps=max(1, min(4, block_d // 128)),
+        SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=max(1, min(4, block_d // 128)),
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return q

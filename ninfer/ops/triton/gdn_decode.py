@@ -102,9 +102,8 @@ def _gdn_decode_kernel(
     state_tile = offs_k[:, None] * DV + offs_v[None, :]  # within one head's [dk, dv] state
 
     o_row = o_ptr + row.to(tl.int64) * num_tokens * NV * DV + head * DV
-    # the row's slots (step inputs, unpacked at its start: loaded at once, not after the recurrence) and
-    # fresh flag, the state tile (none for a padding row) and the gating parameters; with SETTLED before
-    # the wait
+    # the row's slots and fresh flag (step inputs: loaded at once, not after the recurrence), the state
+    # tile (none for a padding row) and the gating parameters; with SETTLED before the wait
     slot_in = tl.load(state_in_ptr + row).to(tl.int64)
     slot_out = tl.load(state_out_ptr + row).to(tl.int64)
     if HAS_FRESH:
@@ -203,9 +202,10 @@ def gdn_decode_step(
     row starts from the zero state instead of its slot's (a sequence's first token).
     Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
     With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
-    `settled=True`: rec_pool, A_log and dt_bias are complete before this kernel can launch (bound weights;
-    the pool written by an earlier step; `pdl`), so the state tile and the gating parameters load before
-    the programmatic-launch wait. `launch_next_early`: see `pdl`.
+    `settled=True`: rec_pool, A_log, dt_bias, state_in, state_out and fresh are complete before this
+    kernel can launch (bound weights; the pool written by an earlier step; the step's inputs; `pdl`), so
+    the slots, the state tile and the gating parameters load before the programmatic-launch wait.
+    `launch_next_early`: see `pdl`.
     """
     squeeze_tokens = q.dim() == 3
     q, k, v = _with_tokens(q, 2), _with_tokens(k, 2), _with_tokens(v, 2)

@@ -1,5 +1,6 @@
 """Triton paged decode attention, GQA packed, optional split-KV (fast path of the reference
-`ninfer.ops.attention.paged_decode_attention`, same signature and semantics, plus the optional gate).
+`ninfer.ops.attention.paged_decode_attention`: its arguments and semantics, plus the optional gate and
+the launch settings below).
 
 One query per row: q [B, nH, D]; K/V pages [P, page_size, nKV, D]; row r's context is the first
 context_lens[r] token slots of its pages block_table[r]. One program handles one (row, kv head, split)
@@ -14,14 +15,15 @@ Split-KV (`num_splits` > 1) cuts each row's context into equal ranges handled by
 partial outputs with their log-sum-exps, each merge program over `merge_block_d` columns of one head
 (64 of 256: a [splits, 64] fp32 tile, where the whole head's took 255 registers at 64 splits).
 
-Under programmatic dependent launch each split program loads its first `preload_blocks` key blocks' K
-and V before its wait (`pdl`): the row's length and table are step inputs and every position but the
-row's newest was written by an earlier step. The newest position is the one the attention prologue,
-the kernel just before this one, is writing; after the wait the program that holds it in a preloaded
-block loads that row again and puts it in place. So the first key block's HBM latency overlaps the
-kernels before, instead of following the row length and table loads after the wait. The merge issues
-its log-sum-exp, partial and gate loads at once (every split stores its partial, zeros when its range
-is empty, so the partials' loads need not wait for the log-sum-exps). H200, 35B-A3B decode graph at
+Under programmatic dependent launch, with `settled=True`, each split program loads its first
+`preload_blocks` key blocks' K and V before its wait (`pdl`): the row's length and table are step inputs
+and every position but the row's newest was written by an earlier step. The newest position is the one
+the attention prologue, the kernel just before this one, is writing; after the wait the program that
+holds it in a preloaded block loads that row again (from L2) and puts it in place. So the first key
+block's HBM latency overlaps the kernels before, instead of following the row length and table loads
+after the wait. The merge issues its log-sum-exp, partial and gate loads at once (every split stores
+its partial, zeros when its range is empty, so the partials' loads need not wait for the
+log-sum-exps). H200, 35B-A3B decode graph at
 2,064 positions (`tools.ab_step`, 2026-11-30): both together B = 1 2.029 -> 2.011 ms, B = 8 5.712 ->
 5.699 (round 2 of two; docs/benchmarks.md, run 17's session).
 
@@ -130,18 +132,22 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GATED: tl.constexpr,
+    SETTLED: tl.constexpr,
     PRELOAD_BLOCKS: tl.constexpr,
+    STALE_NEWEST: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl.launch_next(LAUNCH_NEXT_EARLY, USE_PDL)
+    if not SETTLED:  # nothing is read before the wait (PRELOAD_BLOCKS is 0 then)
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # ---- before the wait: the row's length and table (the step's inputs, unpacked at its start) and
-    # the first PRELOAD_BLOCKS key blocks' K and V (written by earlier steps, except the row's newest
-    # position, which the prologue just before this kernel is writing: patched after the wait)
+    # ---- before the wait (SETTLED): the row's length and table (the step's inputs) and the first
+    # PRELOAD_BLOCKS key blocks' K and V (written by earlier steps, except the row's newest position,
+    # which the prologue just before this kernel is writing: patched after the wait)
     context_len = tl.load(context_lens_ptr + row)
     # equal ranges per split, rounded up to whole key blocks; trailing splits may be empty
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -168,7 +174,8 @@ def _paged_decode_kernel(
         newest_page = tl.load(table_row + newest // PAGE_SIZE, mask=has_newest, other=0).to(tl.int64)
         newest_slot = newest % PAGE_SIZE
 
-    pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
+    if SETTLED:
+        pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
 
     q = tl.load(
         q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
@@ -180,15 +187,15 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if PRELOAD_BLOCKS > 0:
         # the newest position's K and V as the prologue wrote them (this program's own preloaded copy of
-        # that slot may predate the write)
+        # that slot may predate the write); .cg: from L2, never the line the early load left in L1
         mask_new = mask_d & has_newest
         new_k = tl.load(
             k_pages_ptr + newest_page * k_stride_page + newest_slot * k_stride_slot + kv_head * k_stride_head
-            + offs_d, mask=mask_new, other=0.0,
+            + offs_d, mask=mask_new, other=0.0, cache_modifier=".cg",
         )  # fmt: skip
         new_v = tl.load(
             v_pages_ptr + newest_page * v_stride_page + newest_slot * v_stride_slot + kv_head * v_stride_head
-            + offs_d, mask=mask_new, other=0.0,
+            + offs_d, mask=mask_new, other=0.0, cache_modifier=".cg",
         )  # fmt: skip
         for i in tl.static_range(PRELOAD_BLOCKS):
             positions = preloaded[4 * i]
@@ -197,6 +204,9 @@ def _paged_decode_kernel(
             v = preloaded[4 * i + 3]
             if start + i * BLOCK_N < end:
                 is_new = (positions == newest)[:, None]
+                if STALE_NEWEST:  # tests: the early copy of the newest row as a stale read leaves it
+                    k = tl.where(is_new, float("nan"), k)
+                    v = tl.where(is_new, float("nan"), v)
                 k = tl.where(is_new, new_k[None, :], k)
                 v = tl.where(is_new, new_v[None, :], v)
                 m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, scale, DOT_PRECISION)
@@ -310,8 +320,10 @@ def paged_decode_attention(
     num_stages: int = 2,
     launch_next_early: bool = False,
     gate_qkv: torch.Tensor | None = None,
+    settled: bool = False,
     preload_blocks: int = 1,
     merge_block_d: int = 64,
+    stale_newest_for_tests: bool = False,
 ) -> torch.Tensor:
     """Decode attention over paged K/V -> [B, nH, D] in q's dtype (fp32 softmax and accumulation).
 
@@ -322,9 +334,18 @@ def paged_decode_attention(
     `gate_qkv` [B, >= nH*2D] (row stride free, last dim contiguous): the output is gated, o * sigmoid(gate)
     with head h's gate in columns h*2D + D .. h*2D + 2D - 1 (`attention_prologue.sigmoid_gate`'s result,
     bit for bit, as [B, nH, D]: view it as [B, nH*D]).
-    `preload_blocks`: key blocks each split program loads before its PDL wait (module docstring);
-    `merge_block_d`: head-dim columns per merge program.
+    `settled=True`: under `pdl`, context_lens, block_table and every K/V position but each row's newest
+    (context_lens[r] - 1) are complete before this kernel can launch (the step's inputs, and K/V written
+    by earlier steps; only the kernel just before may write the newest positions), so the lengths, the
+    table and the first `preload_blocks` key blocks load before the wait; otherwise nothing does.
+    `merge_block_d`: head-dim columns per merge program. `stale_newest_for_tests`: each preloaded copy of a
+    row's newest position is NaN before the patch, as a read that raced the prologue would leave it (the
+    output must not change; a test hook, the interpreter having no race to lose).
     """
+    if preload_blocks < 0 or merge_block_d < 1:
+        raise ValueError(
+            f"need preload_blocks >= 0 and merge_block_d >= 1, got {preload_blocks} and {merge_block_d}"
+        )
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_pages.shape
     if v_pages.shape != k_pages.shape or kv_dim != head_dim or num_heads % num_kv_heads != 0:
@@ -377,7 +398,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), gate_stride,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision, GATED=gated,
-        PRELOAD_BLOCKS=preload_blocks, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
+        SETTLED=settled, PRELOAD_BLOCKS=preload_blocks if settled else 0,
+        STALE_NEWEST=stale_newest_for_tests, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
         num_stages=num_stages,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip

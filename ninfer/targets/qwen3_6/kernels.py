@@ -347,8 +347,9 @@ def _launches_next_early(rows: int) -> bool:
     gates, the conv step and the recurrence, with those GEMVs loading whole row slices; 2.152 -> 2.128 for
     the attention prologue, attention and merge and the MoE down launch; 27B unchanged). At eight rows it
     cost 0.23 ms per 35B-A3B step. Every kernel that follows one of these reads nothing before its wait but
-    bound weights, earlier steps' state and the residual stream (written by a norm four or more launches
-    earlier, complete before the kernel ahead of it started)."""
+    bound weights, earlier steps' state and K/V, the step's inputs (slots, lengths, block tables, fresh
+    flags: copied and unpacked at the step's start) and the residual stream (written by a norm four or more
+    launches earlier, complete before the kernel ahead of it started)."""
     return rows == 1
 
 
@@ -530,7 +531,7 @@ def _fast_attention_prologue(
     return qk_norm_rope_kv_write(
         qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping,
         num_heads=variant.num_attention_heads, num_kv_heads=variant.num_kv_heads,
-        head_dim=variant.head_dim, eps=variant.rms_norm_eps,
+        head_dim=variant.head_dim, eps=variant.rms_norm_eps, settled=True,
         launch_next_early=_launches_next_early(qkv.shape[0]),
     )  # fmt: skip
 
@@ -546,7 +547,7 @@ def _fast_gated_decode_attention(
 
     o = paged_decode_attention(
         q, k_pages, v_pages, block_table, context_lens, scale,
-        launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv,
+        launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv, settled=True,
     )  # fmt: skip
     return o.flatten(1)
 
