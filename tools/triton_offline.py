@@ -177,7 +177,7 @@ def presets() -> dict[str, Preset]:
             moe_decode._routed_gate_up_kernel,
             dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_E=256, BLOCK_SLOTS=8, BLOCK_N=gate_up.block_n,
                  N_LOOP=gate_up.n_loop, BLOCK_K=2048, K_STEPS=1, HIDDEN_SIZE=2048, EVEN_K=True, BLOCK_H=2048,
-                 USE_PDL=True),
+                 NARROW_KEYS=gate_up.narrow_keys, USE_PDL=True),
             {"weights_ptr": fp32, "ids_ptr": "*i32", "shared_weight_ptr": fp32},
             num_warps=gate_up.warps,
         ),

@@ -1,11 +1,12 @@
 """The decode MoE block from the stacked input projection (`ninfer.ops.triton.moe_decode`) against the
 routing kernel + `fused_moe` path it replaces and the reference block.
 
-CPU tests run the kernels in the Triton interpreter in a child process (tiny E, H, I, fp32 and fp16). The
-exact-input cases use values that are small multiples of powers of two, so every dot is exact in fp32
-whatever the summation order: logits tie, and the routing (ids and weights) must equal `moe_route_topk`'s
-on the same logits bit for bit, and the block's output `fused_moe`'s. `gpu` tests run the compiled kernels
-at the Qwen3.6-35B-A3B shapes (E=256, K=8, H=2048, I=512, bf16), also replayed from a CUDA graph.
+CPU tests run the kernels in the Triton interpreter in a child process (tiny E, H, I, fp32, fp16 and
+bf16). The exact-input cases use values that are small multiples of powers of two, so every dot is exact
+in fp32 whatever the summation order: logits tie, and the routing (ids and weights) must equal
+`moe_route_topk`'s on the same logits bit for bit, and the block's output `fused_moe`'s. `gpu` tests run
+the compiled kernels at the Qwen3.6-35B-A3B shapes (E=256, K=8, H=2048, I=512, bf16), also replayed from
+a CUDA graph.
 """
 
 from __future__ import annotations
@@ -94,12 +95,18 @@ def _tie_all_logits(block: _Block) -> None:
     block.projected[1::2, :E:2] = -0.0
 
 
-@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (1, 4), (3, 3), (5, 2)])
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "dtype"),
+    [(1, 2, torch.float32), (1, 4, torch.float32), (3, 3, torch.float32), (5, 2, torch.float32),
+     (1, 8, torch.bfloat16), (3, 3, torch.bfloat16), (5, 4, torch.float16)],
+)  # fmt: skip
 def test_routing_equals_moe_route_topk_exactly(
-    kernels: ModuleType, routing: ModuleType, tokens: int, top_k: int
+    kernels: ModuleType, routing: ModuleType, tokens: int, top_k: int, dtype: torch.dtype
 ) -> None:
-    """Exact inputs (many tied logits): ids, weights and shared weight bit-equal to the routing kernel's."""
-    block = _Block(tokens, torch.Generator().manual_seed(10 * tokens + top_k), exact=True)
+    """Exact inputs (many tied logits, negative ones among them): ids, weights and shared weight bit-equal
+    to the routing kernel's, with 16-bit logits (ranked as int32 keys) and fp32 ones (int64 keys)."""
+    block = _Block(tokens, torch.Generator().manual_seed(10 * tokens + top_k), exact=True, dtype=dtype)
+    assert (block.projected[:, :E] < 0).any(), "the case should have negative logits"
     assert block.projected[:, :E].unique().numel() < tokens * E, "the case should have tied logits"
 
     _, weights, ids, shared_weight = kernels.routed_gate_up(
@@ -112,6 +119,32 @@ def test_routing_equals_moe_route_topk_exactly(
     assert torch.equal(ids, want_ids)
     assert torch.equal(weights, want_weights)
     assert torch.equal(shared_weight, want_shared)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "narrow_keys"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)],
+)
+def test_negative_logits_rank_by_value(
+    kernels: ModuleType, routing: ModuleType, dtype: torch.dtype, narrow_keys: bool
+) -> None:
+    """All logits negative (the key's flipped magnitude bits decide), two of them tied and -0.0 against
+    +0.0 in the second token: the routing kernel's ids and weights, with int64 and int32 keys."""
+    block = _Block(2, torch.Generator().manual_seed(3), exact=True, dtype=dtype)
+    order = torch.randperm(E, generator=torch.Generator().manual_seed(4)).to(dtype)
+    block.projected[:, :E] = -(order * 0.25 + 0.5)
+    block.projected[0, 7] = block.projected[0, 3]
+    block.projected[1, 5], block.projected[1, 11] = -0.0, 0.0
+
+    config = kernels.RoutedGateUpConfig(narrow_keys=narrow_keys)
+    _, weights, ids, _ = kernels.routed_gate_up(
+        block.x, block.projected, block.gate_up, block.shared_gate, 6, config
+    )
+
+    want_weights, want_ids, _ = routing.moe_route_topk(block.projected[:, :E], 6)
+    assert ids[1, :2].tolist() == [5, 11]
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(weights, want_weights)
 
 
 def test_all_logits_tied_picks_the_lowest_experts(kernels: ModuleType) -> None:

@@ -162,8 +162,11 @@ class FusedMoeDecodeConfig:
 
 
 def check_powers_of_two(config: object) -> None:
-    """ValueError naming the first field of the dataclass ``config`` that is not a power of two."""
+    """ValueError naming the first size field (not bool) of the dataclass ``config`` that is not a power
+    of two."""
     for name, value in dataclasses.asdict(config).items():  # type: ignore[call-overload]
+        if isinstance(value, bool):  # a switch, not a size
+            continue
         if value < 1 or value & (value - 1):
             raise ValueError(f"{type(config).__name__}.{name} must be a power of two, got {value}")
 

@@ -11,7 +11,8 @@ Then:
      streams its gate and up rows against x[t] (`fused_moe.gate_up_rows`);
    - the shared slot K forms silu(gate) * up from the projected shared columns (no weights to read) and,
      in its first column block, writes the token's routing (renormalised top-k weights, rounded as the
-     reference rounds them, and the expert ids) and the shared expert's weight sigmoid(x . gate).
+     reference rounds them, and the expert ids) and the shared expert's weight sigmoid(x . gate), whose
+     dot it takes before its PDL wait (x's writer finished before `projected`'s kernel passed its wait).
 2. `fused_moe.decode_down_combine`: the experts' down rows and the weighted fp32 sum, the shared expert's
    term last, rounded once. For T*K <= EARLY_DOWN_MAX_PAIRS (one token at top-8), `_early_down_combine_kernel`
    instead: the same arithmetic and bits, but it ranks its token's experts again from `projected` (written
@@ -69,12 +70,14 @@ EARLY_DOWN_MAXNREG = 128
 class RoutedGateUpConfig:
     """Tiles of `routed_gate_up` (powers of two): a program ranks its token's experts once, then owns
     n_loop blocks of block_n intermediate columns (a gate and an up tile of [block_n, block_k] per step
-    over H), so n_loop trades the repeated ranking against fewer, longer programs."""
+    over H), so n_loop trades the repeated ranking against fewer, longer programs. narrow_keys: rank
+    16-bit logits as int32 keys rather than int64 (`_logit_keys`; the same ranking)."""
 
     block_n: int = 2
     block_k: int = 2048
     n_loop: int = 1
     warps: int = 4
+    narrow_keys: bool = True
 
     def __post_init__(self) -> None:
         check_powers_of_two(self)
@@ -88,9 +91,13 @@ class RoutedGateUpConfig:
 # 2026-11-30), T = 1 takes 2 blocks per program: 2.124 -> 2.089 and 2.104 -> 2.092 ms in two calls (4 blocks:
 # 2.169, 8: 2.294; 8 warps 2.336; one column 2.272); at T = 8, 8 blocks 6.015 against 5.846 ms, 2 blocks of
 # 4 columns 5.828 (within noise, not taken). Not timed: T = 2 (16 pairs, one block) and T = 3..4 (2 blocks
-# per program).
+# per program). Narrow (int32) ranking keys, same process (`tools.ab_step`, three rounds, 2,064 positions,
+# 2026-11-30): T = 8 5.683 -> 5.642 ms; at T = 1 slower: int64 keys 1.957 ms, int32 in this launch 1.998,
+# in the early down launch's ranking 1.987, in both 1.985 (1.977 with a compare-and-select reduction in
+# place of the warp-reduce instruction). So T = 1 keeps int64 keys, as does the early down launch (one
+# token only). Why the narrow ranking is slower at one token is not established.
 _GATE_UP_CONFIGS: tuple[tuple[int, RoutedGateUpConfig], ...] = (
-    (8, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
+    (8, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4, narrow_keys=False)),
     (16, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=1, warps=4)),
     (32, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4)),
     (1 << 62, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=4, warps=4)),
@@ -106,49 +113,65 @@ def default_gate_up_config(num_pairs: int) -> RoutedGateUpConfig:
 
 
 @triton.jit
-def _logit_keys(logits_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, CACHE_MODIFIER: tl.constexpr):
-    """A token's router logits as packed int64 keys [BLOCK_E] whose max is the largest logit and, among
-    equal logits, the lowest expert: (order-preserving int32 of the fp32 logit) << 32 | (BLOCK_E-1-e)."""
+def _logit_keys(
+    logits_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, CACHE_MODIFIER: tl.constexpr,
+    NARROW: tl.constexpr,
+):  # fmt: skip
+    """A token's router logits as packed keys [BLOCK_E] whose max is the largest logit and, among equal
+    logits, the lowest expert: (an order-preserving integer of the logit's bits) << SHIFT | (BLOCK_E-1-e),
+    -> (keys, the logits in fp32, valid). NARROW (16-bit logits only): int32 keys of the 16 storage bits
+    (SHIFT 16), whose max is one warp reduction instruction and one 32-bit compare, else int64 keys of the
+    fp32 bits (SHIFT 32; `RoutedGateUpConfig.narrow_keys` says where each is faster)."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < NUM_EXPERTS
     logits = tl.load(logits_ptr + experts, mask=valid, other=0.0, cache_modifier=CACHE_MODIFIER)
-    logits = logits.to(tl.float32)
     logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 == +0.0 must tie, so they need one key
-    bits = logits.to(tl.int32, bitcast=True)
-    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # flip the magnitude bits of negatives (an involution)
-    packed = (keys.to(tl.int64) << 32) + (BLOCK_E - 1 - experts).to(tl.int64)
-    return tl.where(valid, packed, tl.full([BLOCK_E], -(2**63), tl.int64)), logits, valid
+    low = BLOCK_E - 1 - experts
+    if NARROW:
+        tl.static_assert(logits.dtype.primitive_bitwidth == 16, "narrow keys need 16-bit logits")
+        bits = logits.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+        keys = bits ^ ((bits >> 15) & 0x7FFF)  # flip the magnitude bits of negatives (an involution)
+        packed = (keys << 16) + low
+        lowest = tl.full([BLOCK_E], -(2**31), tl.int32)
+    else:
+        bits = logits.to(tl.float32).to(tl.int32, bitcast=True)
+        keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        packed = (keys.to(tl.int64) << 32) + low.to(tl.int64)
+        lowest = tl.full([BLOCK_E], -(2**63), tl.int64)
+    return tl.where(valid, packed, lowest), logits.to(tl.float32), valid
 
 
 @triton.jit
 def _take_best(packed, BLOCK_E: tl.constexpr):
-    """(the best candidate's expert, its fp32 logit, the keys with it taken out)."""
+    """(the best candidate's expert, the keys with it taken out)."""
     experts = tl.arange(0, BLOCK_E)
     best = tl.max(packed, axis=0)
-    best_key = best >> 32
-    chosen = (BLOCK_E - 1 - (best - (best_key << 32))).to(tl.int32)
-    key32 = best_key.to(tl.int32)
-    chosen_logit = (key32 ^ ((key32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    return chosen, chosen_logit, tl.where(experts == chosen, tl.full([BLOCK_E], -(2**63), tl.int64), packed)
+    if packed.dtype.primitive_bitwidth == 32:
+        chosen = (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int32)
+        taken = tl.full([BLOCK_E], -(2**31), tl.int32)
+    else:
+        chosen = (BLOCK_E - 1 - (best - ((best >> 32) << 32))).to(tl.int32)
+        taken = tl.full([BLOCK_E], -(2**63), tl.int64)
+    return chosen, tl.where(experts == chosen, taken, packed)
 
 
 @triton.jit
 def _write_routing(
     logits_ptr, weights_ptr, ids_ptr, weights_stride_k, ids_stride_k,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+    NARROW_KEYS: tl.constexpr,
 ):  # fmt: skip
     """The token's top-k ids and renormalised softmax weights (rounded to the logits' dtype, stored fp32)."""
-    packed, logits, valid = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E, "")
+    packed, logits, valid = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E, "", NARROW_KEYS)
     slots = tl.arange(0, BLOCK_SLOTS)
-    top_logits = tl.zeros([BLOCK_SLOTS], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_SLOTS], dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        chosen, chosen_logit, packed = _take_best(packed, BLOCK_E)
-        top_logits = tl.where(slots == k, chosen_logit, top_logits)
+        chosen, packed = _take_best(packed, BLOCK_E)
         top_ids = tl.where(slots == k, chosen, top_ids)
-    row_max = tl.max(tl.where(slots == 0, top_logits, float("-inf")), axis=0)
-    denominator = tl.sum(tl.where(valid, tl.exp(logits - row_max), 0.0), axis=0)
     slot_mask = slots < TOP_K
+    top_logits = tl.load(logits_ptr + top_ids, mask=slot_mask, other=float("-inf")).to(tl.float32)
+    row_max = tl.max(top_logits, axis=0)
+    denominator = tl.sum(tl.where(valid, tl.exp(logits - row_max), 0.0), axis=0)
     top_probs = tl.where(slot_mask, tl.exp(top_logits - row_max) / denominator, 0.0)
     model_dtype = logits_ptr.dtype.element_ty
     weights = (top_probs / tl.sum(top_probs, axis=0)).to(model_dtype).to(tl.float32)
@@ -177,10 +200,9 @@ def _routed_gate_up_kernel(
     weights_stride_t, weights_stride_k, ids_stride_t, ids_stride_k, shared_weight_stride_t,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, N_LOOP: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
-    HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    HIDDEN_SIZE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_H: tl.constexpr, NARROW_KEYS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(USE_PDL)
     pair = tl.program_id(0)
     token = pair // (TOP_K + 1)
     slot = pair - token * (TOP_K + 1)
@@ -188,12 +210,17 @@ def _routed_gate_up_kernel(
     io_dtype = hidden_ptr.dtype.element_ty
     logits_ptr = projected_ptr + token.to(tl.int64) * projected_stride_t  # the row's first E columns
     x_row_ptr = x_ptr + token.to(tl.int64) * x_stride_t
+    routes = (slot == TOP_K) & (n_block == 0)  # the token's one program that writes its routing
+    shared_weight = tl.zeros([], dtype=tl.float32)
+    if routes:  # before the wait: the gate is bound, and x's writer finished before `projected`'s started
+        shared_weight = _shared_gate_weight(x_row_ptr, gate_ptr, HIDDEN_SIZE, BLOCK_H)
+    pdl.enter(USE_PDL)
     hidden_row = hidden_ptr + pair.to(tl.int64) * inter_size
     if slot < TOP_K:
-        packed, _, _ = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E, "")
+        packed, _, _ = _logit_keys(logits_ptr, NUM_EXPERTS, BLOCK_E, "", NARROW_KEYS)
         expert = slot * 0
         for _ in range(slot + 1):  # the slot-th best needs slot + 1 rounds
-            expert, _, packed = _take_best(packed, BLOCK_E)
+            expert, packed = _take_best(packed, BLOCK_E)
         rows_base = w_ptr + expert.to(tl.int64) * w_stride_e
         for j in tl.static_range(N_LOOP):
             offs_n = (n_block * N_LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,12 +238,11 @@ def _routed_gate_up_kernel(
             up = tl.load(logits_ptr + NUM_EXPERTS + inter_size + offs_n, mask=n_mask, other=0.0)
             hidden = gate * tl.sigmoid(gate) * up.to(tl.float32)
             tl.store(hidden_row + offs_n, hidden.to(io_dtype), mask=n_mask)
-        if n_block == 0:  # one program per token hands the routing to the down kernel
+        if routes:  # hands the routing to the down kernel
             _write_routing(
                 logits_ptr, weights_ptr + token * weights_stride_t, ids_ptr + token * ids_stride_t,
-                weights_stride_k, ids_stride_k, NUM_EXPERTS, TOP_K, BLOCK_E, BLOCK_SLOTS,
+                weights_stride_k, ids_stride_k, NUM_EXPERTS, TOP_K, BLOCK_E, BLOCK_SLOTS, NARROW_KEYS,
             )  # fmt: skip
-            shared_weight = _shared_gate_weight(x_row_ptr, gate_ptr, HIDDEN_SIZE, BLOCK_H)
             tl.store(shared_weight_ptr + token * shared_weight_stride_t, shared_weight)
 
 
@@ -258,14 +284,14 @@ def _early_down_combine_kernel(
 
     # ---- before the wait: nothing launch 1 writes (hidden, weights, ids, shared weight) is read here
     # .cg: the logits from L2 (complete and flushed there), never a line an earlier kernel left in L1
-    packed, _, _ = _logit_keys(projected_ptr + token * projected_stride_t, NUM_EXPERTS, BLOCK_E, ".cg")
+    packed, _, _ = _logit_keys(projected_ptr + token * projected_stride_t, NUM_EXPERTS, BLOCK_E, ".cg", False)
     lanes = tl.arange(0, EXPERTS_PER_STEP)
     group_experts = ()  # [EXPERTS_PER_STEP] ids per group, slot order (padding slots: expert 0, masked)
     for first_slot in tl.static_range(0, TOP_K, EXPERTS_PER_STEP):
         experts = tl.zeros([EXPERTS_PER_STEP], dtype=tl.int32)
         for j in tl.static_range(EXPERTS_PER_STEP):
             if first_slot + j < TOP_K:
-                chosen, _, packed = _take_best(packed, BLOCK_E)  # slot first_slot + j: that many rounds
+                chosen, packed = _take_best(packed, BLOCK_E)  # slot first_slot + j: that many rounds
                 experts = tl.where(lanes == j, chosen, experts)
         group_experts = group_experts + (experts,)
     shared_w_ptrs = shared_w_ptr + offs_h[:, None] * shared_w_stride_h + offs_i[None, :]
@@ -412,7 +438,7 @@ def routed_gate_up(
         BLOCK_K=block_k,
         K_STEPS=triton.cdiv(hidden_size, block_k), HIDDEN_SIZE=hidden_size,
         EVEN_K=hidden_size % block_k == 0, BLOCK_H=min(_MAX_BLOCK_H, triton.next_power_of_2(hidden_size)),
-        num_warps=config.warps,
+        NARROW_KEYS=config.narrow_keys and projected.element_size() == 2, num_warps=config.warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     return hidden, weights, ids, shared_weight
@@ -465,7 +491,9 @@ def moe_decode_block(
 
     x [T, H]; projected [T, E + 2I] = x @ [router; shared gate; shared up]^T in x's dtype; gate_up
     [E, 2I, H] and down [E, H, I] (the routed experts, read in x's dtype); shared_down [H, I] (the shared
-    expert has the routed experts' width I); shared_expert_gate [1, H] or [H]. `REFERENCE.moe_block`'s
+    expert has the routed experts' width I); shared_expert_gate [1, H] or [H]. x is read before the first
+    launch's PDL wait: the kernel that wrote `projected` must have waited for x's writer before letting
+    that launch start (our GEMV's `pdl.enter`, or any kernel outside PDL). `REFERENCE.moe_block`'s
     result up to fp32 summation order; two launches, no host sync. The configs default to
     `default_gate_up_config(T*K)` and `fused_moe.default_decode_config(T*K)` (its down tiles). early_down
     picks the down launch: `_early_down_combine` (ranks again and loads its down rows before the PDL wait)
