@@ -42,6 +42,17 @@ def test_ties_nan_and_infinities_as_torch(kernels: ModuleType) -> None:
     assert got.tolist() == [100, 0, 10, 4500, 3000]
 
 
+def test_writes_into_out(kernels: ModuleType) -> None:
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(3))
+    out = torch.full((3,), -5, dtype=torch.int64)
+    assert kernels.argmax_rows(x, out) is out
+    assert torch.equal(out, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="out must be contiguous \\[3\\] int64"):
+        kernels.argmax_rows(x, out.int())
+    with pytest.raises(ValueError, match="out must be contiguous \\[3\\] int64"):
+        kernels.argmax_rows(x, out[:2])
+
+
 def test_strided_rows_and_bad_input(kernels: ModuleType) -> None:
     x = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))[::2]  # row stride 600
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))

@@ -1,5 +1,6 @@
 """Triton step unpack (`ninfer.ops.triton.step_unpack`) against `StepBuilder.unpack`'s torch expressions:
-decode and prefill layouts, table widths over several column blocks and not a power of two."""
+decode and prefill layouts, table widths over several column blocks and not a power of two, and a
+decode's token ids fed from the device where the packed ones are negative."""
 
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ def _torch_unpack(
     return query_start.int(), context_lens.int(), tables.index_select(0, sequence_index), fresh.bool()
 
 
-def _check(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
-    for name, g, w in zip(("query_start", "context_lens", "block_table", "fresh"), got, want, strict=True):
+def _check(got: tuple[torch.Tensor | None, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """The four unpacked tensors equal; no token ids without a feed."""
+    assert got[4] is None
+    names = ("query_start", "context_lens", "block_table", "fresh")
+    for name, g, w in zip(names, got[:4], want, strict=True):
+        assert g is not None
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, g.shape, w.dtype, w.shape)
         assert g.is_contiguous(), name
         assert torch.equal(g, w), name
@@ -78,10 +83,32 @@ def test_strided_table_rows_and_no_rows(kernels: ModuleType) -> None:
     values = _packed(6, 3, 4, seed=7)
     _check(kernels.unpack_step(values, 6, 3, tables), _torch_unpack(values, 6, 3, tables))
     empty = torch.tensor([0, 0, 0, 42], dtype=torch.int64)  # one token's three fields, query_start [42]
-    query_start, context_lens, table, fresh = kernels.unpack_step(empty, 1, 0, tables)
+    query_start, context_lens, table, fresh, _ = kernels.unpack_step(empty, 1, 0, tables)
     assert query_start.tolist() == [42] and query_start.dtype == torch.int32
     assert context_lens.shape == (0,) and table.shape == (0, 37) and fresh.shape == (0,)
     assert fresh.dtype == torch.bool
+
+
+def _decode_with_fed_rows(num_rows: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(a decode's packed values with the token ids of every other row -1, the feed)."""
+    values = _packed(num_rows, num_rows, 5, seed=seed, device=device)
+    values[0:num_rows:2] = -1
+    feed = torch.arange(100, 100 + num_rows, dtype=torch.int64, device=device)
+    return values, feed
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8])
+def test_feed_fills_the_negative_token_ids(kernels: ModuleType, num_rows: int) -> None:
+    tables = torch.randint(0, 1 << 20, (5, 37), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    values, feed = _decode_with_fed_rows(num_rows, seed=num_rows)
+
+    *got, token_ids = kernels.unpack_step(values, num_rows, num_rows, tables, feed)
+
+    packed = values[:num_rows]
+    assert token_ids is not None and token_ids.dtype == torch.int64
+    assert torch.equal(token_ids, torch.where(packed < 0, feed, packed))
+    assert token_ids[0] == 100 and (num_rows == 1 or token_ids[1] == packed[1])
+    _check((*got, None), _torch_unpack(values, num_rows, num_rows, tables))
 
 
 def test_bad_input(kernels: ModuleType) -> None:
@@ -105,6 +132,13 @@ def test_bad_input(kernels: ModuleType) -> None:
         kernels.unpack_step(values, 3, 3, torch.zeros(37, 4, dtype=torch.int32).t())
     with pytest.raises(ValueError, match="block_tables is on meta"):
         kernels.unpack_step(values, 3, 3, tables.to("meta"))
+    feed = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="feed needs a decode"):
+        kernels.unpack_step(_packed(4, 3, 4, seed=1), 4, 3, tables, feed)
+    with pytest.raises(ValueError, match="feed needs a decode"):
+        kernels.unpack_step(values, 3, 3, tables, feed.int())
+    with pytest.raises(ValueError, match="feed needs a decode"):
+        kernels.unpack_step(values, 3, 3, tables, feed[:2])
 
 
 @pytest.mark.gpu
@@ -118,3 +152,17 @@ def test_matches_torch_on_cuda(num_tokens: int, num_rows: int) -> None:
     values = _packed(num_tokens, num_rows, 16, seed=num_rows, device="cuda")
     got = unpack_step(values, num_tokens, num_rows, tables)
     _check(got, _torch_unpack(values, num_tokens, num_rows, tables))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 8])
+def test_feed_on_cuda(num_rows: int) -> None:
+    from ninfer.ops.triton.step_unpack import unpack_step
+
+    tables = torch.randint(0, 1 << 30, (16, 4096), dtype=torch.int32, device="cuda")
+    values, feed = _decode_with_fed_rows(num_rows, seed=num_rows, device="cuda")
+    *got, token_ids = unpack_step(values, num_rows, num_rows, tables, feed)
+    packed = values[:num_rows]
+    assert token_ids is not None and torch.equal(token_ids, torch.where(packed < 0, feed, packed))
+    _check((*got, None), _torch_unpack(values, num_rows, num_rows, tables))

@@ -295,6 +295,8 @@ def test_lookahead_in_cuda_graphs_gives_what_plain_decoding_gives(name: str) -> 
         plain, _ = run(script, off)
         assert with_lookahead == plain, script.__name__
         assert counts["taken"] >= 1, (script.__name__, counts)
+    # greedy rows fed the graph's own argmax in place (no device copy), the rest by a copy
+    assert on._graphs.fed_in_place >= 1 and off._graphs.fed_in_place == 0
 
 
 torch.set_num_threads(1)

@@ -94,6 +94,19 @@ def test_unpack_on_the_host_gives_the_step_batch_fields() -> None:
         assert batch.inputs_embeds is None
 
 
+def test_unpack_feeds_the_negative_token_ids_of_a_decode() -> None:
+    """A decode graph's rows fed on the device: a packed token id of -1 takes the feed's entry."""
+    tables = torch.zeros(5, 4, dtype=torch.int32)
+    builder = StepBuilder(PAGE, tables)
+    seqs = [_seq(f, list(range(40)), i) for i, f in zip((3, 0, 4), (9, 0, 17))]
+    feed = torch.tensor([70, 71, 72])
+    packed = builder.pack(seqs, [[-1], [6], [-1]], write_spare=True)
+    assert builder.unpack(packed, feed).token_ids.tolist() == [70, 6, 72]
+    assert builder.unpack(packed).token_ids.tolist() == [-1, 6, -1]
+    with pytest.raises(ValueError, match="only a decode"):
+        builder.unpack(builder.pack(seqs, [[1, 2], [3], [4]], write_spare=True), feed)
+
+
 def test_fused_unpack_needs_cuda_tables_and_is_off_by_default() -> None:
     """The Triton unpack is the fast op table's (the Program asks for it there, on CUDA only)."""
     with pytest.raises(ValueError, match="fused_unpack needs the block tables on CUDA"):

@@ -67,8 +67,9 @@ def _argmax_rows_kernel(
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared in fp32: exact for these
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` for x [B, V] (fp32, bf16 or fp16; unit stride along V) -> [B] int64."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` for x [B, V] (fp32, bf16 or fp16; unit stride along V) -> [B] int64,
+    written into ``out`` where given (contiguous [B] int64 on x's device)."""
     if x.dim() != 2 or x.dtype not in _DTYPES or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(
             f"x must be [B, V] in {_DTYPES} with a unit stride along V, got {tuple(x.shape)} {x.dtype}"
@@ -76,7 +77,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     if cols == 0:
         raise ValueError("argmax of an empty row")
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or out.device != x.device or out.stride(0) != 1:
+        raise ValueError(
+            f"out must be contiguous [{rows}] int64 on {x.device}, got {tuple(out.shape)} {out.dtype}"
+        )
     if rows == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(cols))

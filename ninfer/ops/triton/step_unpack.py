@@ -7,6 +7,10 @@ nothing to overlap them. Here one kernel does all four: program (r, c) copies co
 table row (the row of sequence ``sequence_index[r]``), and the programs of column block 0 also write row
 r's query_start, context_lens and fresh entries (row 0 also query_start[B]). Same values as the torch
 expressions: int64 to int32 keeps the low 32 bits as ``.int()`` does, fresh is ``value != 0``.
+
+With a ``feed`` (a decode: one token per row) those programs also write row r's token id, ``feed[r]`` where
+the packed id is negative: a decode graph's next replay takes the tokens its last replay drew without a
+device copy between the two (`graphs.DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ _BLOCK = 1024  # table columns per program: a 4096-page table row is 4 programs
 @triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_cols", "stride_table"])
 def _unpack_step_kernel(
     values_ptr, tables_ptr, query_start_ptr, context_lens_ptr, table_ptr, fresh_ptr, num_tokens, num_rows,
-    num_cols, stride_table, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    num_cols, stride_table, feed_ptr, token_ids_ptr, BLOCK: tl.constexpr, FEED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(USE_PDL)
     row = tl.program_id(0)
@@ -47,20 +52,39 @@ def _unpack_step_kernel(
         tl.store(query_start_ptr + row, tl.load(values_ptr + query_start_at + row).to(tl.int32))
         tl.store(context_lens_ptr + row, tl.load(values_ptr + context_lens_at + row).to(tl.int32))
         tl.store(fresh_ptr + row, (tl.load(values_ptr + fresh_at + row) != 0).to(tl.uint8))
+        if FEED:  # a decode: row r's token is entry r
+            token = tl.load(values_ptr + row)
+            if token < 0:
+                token = tl.load(feed_ptr + row)
+            tl.store(token_ids_ptr + row, token)
         if row == 0:
             tl.store(query_start_ptr + num_rows, tl.load(values_ptr + query_start_at + num_rows).to(tl.int32))
 
 
 def unpack_step(
-    values: torch.Tensor, num_tokens: int, num_rows: int, block_tables: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(query_start int32 [B + 1], context_lens int32 [B], block_table int32 [B, max_pages], fresh bool [B])
-    of a packed step (`StepFields` layout, N = ``num_tokens``, B = ``num_rows``) in one launch: the same as
-    ``query_start.int()``, ``context_lens.int()``, ``block_tables.index_select(0, sequence_index)`` and
-    ``fresh.bool()``. The sequence indices must be rows of ``block_tables`` (not checked: that would be a
-    host sync; torch's index_select would fail a device assert instead)."""
+    values: torch.Tensor,
+    num_tokens: int,
+    num_rows: int,
+    block_tables: torch.Tensor,
+    feed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(query_start int32 [B + 1], context_lens int32 [B], block_table int32 [B, max_pages], fresh bool [B],
+    token_ids int64 [B] or None) of a packed step (`StepFields` layout, N = ``num_tokens``, B =
+    ``num_rows``) in one launch: the same as ``query_start.int()``, ``context_lens.int()``,
+    ``block_tables.index_select(0, sequence_index)``, ``fresh.bool()`` and, with ``feed`` ([B] int64, a
+    decode only: N == B), ``torch.where(token_ids < 0, feed, token_ids)``. The sequence indices must be
+    rows of ``block_tables`` (not checked: that would be a host sync; torch's index_select would fail a
+    device assert instead)."""
     if num_tokens < 0 or num_rows < 0:
         raise ValueError(f"num_tokens and num_rows must be >= 0, got {num_tokens} and {num_rows}")
+    if feed is not None and (
+        num_tokens != num_rows or feed.shape != (num_rows,) or feed.dtype != torch.int64
+        or feed.device != values.device or (num_rows > 1 and feed.stride(0) != 1)
+    ):  # fmt: skip
+        raise ValueError(
+            f"feed needs a decode (num_tokens == num_rows, got {num_tokens} and {num_rows}) and must be "
+            f"[{num_rows}] int64 on {values.device} with a unit stride, got {tuple(feed.shape)} {feed.dtype}"
+        )
     length = 3 * num_tokens + 6 * num_rows + 1
     if values.dim() != 1 or values.dtype != torch.int64 or values.shape[0] != length:
         raise ValueError(
@@ -82,13 +106,15 @@ def unpack_step(
     context_lens = torch.empty(num_rows, dtype=torch.int32, device=device)
     table = torch.empty((num_rows, max_pages), dtype=torch.int32, device=device)
     fresh = torch.empty(num_rows, dtype=torch.bool, device=device)
+    token_ids = None if feed is None else torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:  # no program to write query_start[0]
         query_start.copy_(values[3 * num_tokens :])
-        return query_start, context_lens, table, fresh
+        return query_start, context_lens, table, fresh, token_ids
     block = min(_BLOCK, triton.next_power_of_2(max(max_pages, 1)))
     _unpack_step_kernel[(num_rows, max(1, triton.cdiv(max_pages, block)))](
         values, block_tables, query_start, context_lens, table, fresh.view(torch.uint8), num_tokens, num_rows,
-        max_pages, block_tables.stride(0), BLOCK=block, num_warps=4,
+        max_pages, block_tables.stride(0), values if feed is None else feed,
+        values if token_ids is None else token_ids, BLOCK=block, FEED=feed is not None, num_warps=4,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
-    return query_start, context_lens, table, fresh
+    return query_start, context_lens, table, fresh, token_ids

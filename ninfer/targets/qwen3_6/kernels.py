@@ -104,8 +104,9 @@ class Kernels:
     mrope_cos_sin: Callable[[Tensor, int, float, tuple[int, int, int]], tuple[Tensor, Tensor]]
     # (x [M, H], lm_head [V, H]) -> (x @ lm_head.T in x's dtype).float(): the logits
     logits: Callable[[Tensor, Tensor], Tensor]
-    # (logits [B, V]) -> [B] int64, torch.argmax(logits, -1): the first max, a NaN counting as the largest
-    argmax: Callable[[Tensor], Tensor]
+    # (logits [B, V], out [B] int64 or None) -> torch.argmax(logits, -1) (into out where given): the first
+    # max, a NaN counting as the largest
+    argmax: Callable[[Tensor, Tensor | None], Tensor]
 
 
 # ---- reference compositions ---------------------------------------------------------------------
@@ -120,8 +121,10 @@ def _reference_logits(x: Tensor, lm_head: Tensor) -> Tensor:
     return F.linear(x, lm_head).float()
 
 
-def _reference_argmax(logits: Tensor) -> Tensor:
-    return logits.argmax(dim=-1)
+def _reference_argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
+    if out is None:
+        return logits.argmax(dim=-1)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
 def _reference_linear_add_rms_norm(

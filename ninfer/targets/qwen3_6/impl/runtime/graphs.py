@@ -3,9 +3,12 @@
 A graph reads one static buffer: the step's packed host facts (`step.PackedStep`: token ids,
 positions, KV slots, context lengths, state slots, fresh flags, sequence indices), written as a plain
 list (`StepBuilder.decode_values`) into a pinned staging buffer (two per graph, used in turn, for the
-Program's decode lookahead) and copied in with one host-to-device copy before replay; a lookahead's
-input tokens are then copied over from the previous unit's draw, on the device. Unpacking them into
-the model's `StepBatch` (casts, the block-table gather) is part of the captured work. Request identity
+Program's decode lookahead) and copied in with one host-to-device copy before replay. Unpacking them into
+the model's `StepBatch` (casts, the block-table gather) is part of the captured work. A lookahead's input
+tokens are the previous unit's draw, on the device: when that unit was this graph's last replay and its
+rows took the graph's argmax, the replay reads them where the argmax wrote them (the packed token ids
+are -1, `StepBuilder.unpack`'s ``feed``), with no device copy queued between the two replays; any other
+draw (the sampler's, a subset of rows) is copied over the token ids first. Request identity
 and page ids are data, never part of the key, so one graph per ``B`` serves every mix of requests.
 Graphs share one memory pool and are captured once, at Program construction (warmup), never on the
 request path.
@@ -24,7 +27,9 @@ import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 
-DecodeFn = Callable[[PackedStep], torch.Tensor]  # the packed device inputs -> last-token logits
+# (the packed device inputs, the feed: the graph's own argmax buffer) -> last-token logits
+DecodeFn = Callable[[PackedStep, torch.Tensor], torch.Tensor]
+ArgmaxFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (logits, out) -> argmax
 
 
 class _Graph:
@@ -52,10 +57,11 @@ class DecodeGraphs:
         max_batch: int,
         device: torch.device,
         scratch_slot: int,
-        argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1),
+        argmax: ArgmaxFn = lambda logits, out: torch.argmax(logits, dim=-1, out=out),
     ) -> None:
         self._graphs: dict[int, _Graph] = {}
         self.replays: dict[int, int] = {}  # B -> replay count (observability; tests read it)
+        self.fed_in_place = 0  # replays that read the last replay's argmax as their tokens (tests read it)
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -63,10 +69,13 @@ class DecodeGraphs:
             for b in range(max_batch, 0, -1):  # largest first: the pool then fits the smaller ones
                 g = _Graph(b, scratch_slot, device)
                 for _ in range(2):  # warm allocator, library handles and kernel modules outside the capture
-                    argmax(fn(g.inputs))
+                    feed = torch.empty(b, dtype=torch.int64, device=device)
+                    argmax(fn(g.inputs, feed), feed)
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
-                    g.logits = fn(g.inputs)
-                    g.greedy = argmax(g.logits)
+                    # the argmax's output, allocated before the step that reads it as the next replay's feed
+                    g.greedy = torch.empty(b, dtype=torch.int64, device=device)
+                    g.logits = fn(g.inputs, g.greedy)
+                    argmax(g.logits, g.greedy)
                 self._graphs[b] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -81,16 +90,21 @@ class DecodeGraphs:
         replay: (logits, the step on the device, each row's argmax token).
 
         ``tokens``: the rows' input tokens as a device tensor (the sampled tokens of the unit before,
-        not yet read back), copied over the token ids in ``values``.
+        not yet read back): read in place when they are this graph's argmax buffer (its last replay's
+        draw), else copied over the token ids in ``values``.
         All three results are the graphs' static buffers (one shared pool): valid until the next `run`.
         """
         g = self._graphs[rows]
         turn, g.turn = g.turn, g.turn ^ 1
         g.copied[turn].synchronize()  # at once, unless that copy belongs to a unit still queued
         g.staging_arrays[turn][:] = values
+        fed_in_place = tokens is g.greedy
+        if fed_in_place:
+            g.staging_arrays[turn][:rows] = -1  # the token ids: the graph's unpack reads its feed instead
+            self.fed_in_place += 1
         g.inputs.values.copy_(g.staging[turn], non_blocking=True)
         g.copied[turn].record()
-        if tokens is not None:
+        if tokens is not None and not fed_in_place:
             g.inputs.fields().token_ids.copy_(tokens)
         g.graph.replay()
         self.replays[rows] = self.replays.get(rows, 0) + 1

@@ -540,10 +540,10 @@ class Qwen36Program:
         out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
         return _StepRun(out.logits, step)
 
-    def _decode_logits(self, step: PackedStep) -> torch.Tensor:
-        """The unit a decode graph captures: the packed inputs (one token per row) unpacked, then the
-        forward to last-token logits."""
-        batch = self._steps.unpack(step)
+    def _decode_logits(self, step: PackedStep, feed: torch.Tensor) -> torch.Tensor:
+        """The unit a decode graph captures: the packed inputs (one token per row) unpacked, rows with a
+        negative token id fed from ``feed`` (`DecodeGraphs`), then the forward to last-token logits."""
+        batch = self._steps.unpack(step, feed)
         logits = forward(
             self.view, self.variant, batch, self.store, logits="last", kernels=self.kernels
         ).logits

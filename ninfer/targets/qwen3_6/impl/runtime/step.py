@@ -177,22 +177,31 @@ class StepBuilder:
             values = values.pin_memory()
         return dataclasses.replace(packed, values=values.to(self.device, non_blocking=True))
 
-    def unpack(self, packed: PackedStep) -> StepBatch:
+    def unpack(self, packed: PackedStep, feed: torch.Tensor | None = None) -> StepBatch:
         """The `StepBatch` over ``packed`` (on the device): views and a few device ops, no host sync (with
-        ``fused_unpack`` one Triton launch for the casts and the table gather, `step_unpack.unpack_step`)."""
+        ``fused_unpack`` one Triton launch for the casts and the table gather, `step_unpack.unpack_step`).
+
+        ``feed`` ([B] int64 on the device, a decode only): a row whose packed token id is negative takes
+        ``feed[row]`` (a decode graph's tokens drawn by its previous replay, `graphs.DecodeGraphs`)."""
         f = packed.fields()
+        token_ids = f.token_ids
         if self.fused_unpack:  # one launch in place of four small kernels per decode step
             from ninfer.ops.triton.step_unpack import unpack_step
 
-            query_start, context_lens, block_table, fresh = unpack_step(
-                packed.values, packed.num_tokens, packed.num_rows, self.block_tables
+            query_start, context_lens, block_table, fresh, fed = unpack_step(
+                packed.values, packed.num_tokens, packed.num_rows, self.block_tables, feed
             )
+            token_ids = token_ids if fed is None else fed
         else:
             query_start, context_lens = f.query_start.int(), f.context_lens.int()
             block_table = self.block_tables.index_select(0, f.sequence_index)
             fresh = f.fresh.bool()
+            if feed is not None:
+                if not packed.is_decode:
+                    raise ValueError("only a decode (one token per row) takes fed tokens")
+                token_ids = torch.where(token_ids < 0, feed, token_ids)
         return StepBatch(
-            token_ids=f.token_ids,
+            token_ids=token_ids,
             positions=f.positions.expand(3, -1),  # text: T = H = W
             query_start=query_start,
             context_lens=context_lens,
