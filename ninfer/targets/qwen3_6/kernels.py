@@ -122,8 +122,6 @@ def _reference_logits(x: Tensor, lm_head: Tensor) -> Tensor:
 
 
 def _reference_argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
-    if out is None:
-        return logits.argmax(dim=-1)
     return torch.argmax(logits, dim=-1, out=out)
 
 
