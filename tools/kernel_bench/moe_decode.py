@@ -147,7 +147,9 @@ def main() -> None:
         default = default_gate_up_config(tokens * TOP_K)
         timings = []
         for block_n, block_k, n_loop, warps in SWEEP:
-            config = RoutedGateUpConfig(block_n=block_n, block_k=block_k, n_loop=n_loop, warps=warps)
+            config = RoutedGateUpConfig(
+                block_n=block_n, block_k=block_k, n_loop=n_loop, warps=warps, narrow_keys=default.narrow_keys
+            )
             error = (
                 (new(config).float() - reference.float()).abs().max() / reference.float().abs().max()
             ).item()

@@ -181,13 +181,15 @@ def _write_routing(
 
 @triton.jit
 def _shared_gate_weight(x_row_ptr, gate_ptr, HIDDEN_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
-    """sigmoid(round_to_x_dtype(x . gate)) with an fp32 dot, the gate cast to x's dtype first."""
+    """sigmoid(round_to_x_dtype(x . gate)) with an fp32 dot, the gate cast to x's dtype first. Run before
+    the PDL wait: x through L2 (`.cg`, as the early down launch reads `projected`), never a line an earlier
+    kernel left in this SM's L1."""
     x_dtype = x_row_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in tl.static_range(0, HIDDEN_SIZE, BLOCK_H):
         col_mask = cols < HIDDEN_SIZE - start
-        xs = tl.load(x_row_ptr + start + cols, mask=col_mask, other=0.0)
+        xs = tl.load(x_row_ptr + start + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
         gate = tl.load(gate_ptr + start + cols, mask=col_mask, other=0.0).to(x_dtype)
         acc += xs.to(tl.float32) * gate.to(tl.float32)
     return tl.sigmoid(tl.sum(acc, axis=0).to(x_dtype).to(tl.float32))

@@ -13,9 +13,10 @@ weights (`skinny_gemm`'s early tiles, the norms' weights), state pools written b
 GDN recurrence and conv step), or data whose writer finished before the kernel ahead of this one passed
 its own wait (two launches back when that kernel launches this one after its wait, as `enter` does; three
 when it launches it early, below): the residual stream in `norm` (four launches back), the logits of
-`moe_decode`'s early down kernel (two), the step's inputs (slots, lengths, block tables: unpacked at the
-step's start) in the attention prologue, the recurrence and the decode attention, and the K/V of every
-position but the newest in the decode attention. Results are unchanged. Kernels of other libraries
+`moe_decode`'s early down kernel (two), the normed x of its gate/up launch's shared-expert gate (two),
+the step's inputs (slots, lengths, block tables: unpacked at the step's start) in the attention prologue,
+the recurrence and the decode attention, and the K/V of every position but the newest in the decode
+attention. Results are unchanged. Kernels of other libraries
 (cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the programmatic
 edges (CUDA 12.3+).
 
