@@ -180,3 +180,87 @@ def test_conv_update_cuda_real_shapes(batch: int, channels: int) -> None:
     mismatches = (y != y_ref).sum().item()  # same roundings: only fp32 sum-order noise may flip a bit
     assert mismatches <= y.numel() // 100, f"{mismatches} of {y.numel()} differ"
     assert torch.equal(pool, pool_ref), "written windows must be exact copies; other slots unchanged"
+
+
+def _reference_tokens(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    weight: torch.Tensor,
+    state_in: torch.Tensor,
+    state_out: torch.Tensor,
+    fresh: torch.Tensor,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T one-token reference steps per row (x [B*T, C]); the window after token t goes to state_out[:, t]
+    (per position, [B, T]) or only the last one to state_out ([B])."""
+    batch = state_in.shape[0]
+    window = torch.where(fresh[:, None, None], 0, pool.index_select(0, state_in))
+    xs = x.reshape(batch, tokens, -1)
+    pool_after, ys = pool.clone(), []
+    for t in range(tokens):
+        y, window = causal_conv1d_update(xs[:, t], window, weight)
+        ys.append(y)
+        if state_out.dim() == 2:
+            pool_after.index_copy_(0, state_out[:, t], window.to(pool.dtype))
+    if state_out.dim() == 1:
+        pool_after.index_copy_(0, state_out, window.to(pool.dtype))
+    return torch.stack(ys, 1).reshape(batch * tokens, -1), pool_after
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5])
+@pytest.mark.parametrize("kernel", [4, 3])
+@pytest.mark.parametrize("per_position", [True, False], ids=["per-position", "final-only"])
+def test_conv_update_tokens_equal_single_token_steps(
+    kernels: ModuleType, tokens: int, kernel: int, per_position: bool
+) -> None:
+    """T tokens per row in one launch = T reference steps: y for every token and the windows after every
+    token (per position) or the last one (in place for one row), a fresh row, strided x."""
+    gen = torch.Generator().manual_seed(17 * tokens + kernel + per_position)
+    batch, channels, slots = 3, 40, 3 + 3 * tokens
+    x, pool, weight = _inputs(batch * tokens, channels, kernel, slots, torch.float32, gen, "cpu")
+    state_in = torch.tensor([2, 0, 1])
+    fresh = torch.tensor([False, True, False])
+    if per_position:
+        state_out = torch.arange(3, 3 + batch * tokens).reshape(batch, tokens)
+    else:
+        state_out = torch.tensor([2, 4, 5])  # row 0 in place
+    y_ref, pool_ref = _reference_tokens(x, pool, weight, state_in, state_out, fresh, tokens)
+    out = torch.full((batch * tokens, channels), float("nan"))
+
+    y = kernels.causal_conv1d_update_slots(
+        x, pool, weight, state_in, state_out, fresh, tokens_per_row=tokens, out=out, block_c=16
+    )
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool, pool_ref), "windows are copies of inputs: exact; other slots unchanged"
+
+
+def test_conv_update_tokens_reject_a_row_count_not_a_multiple(kernels: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, pool, weight = _inputs(5, 8, 4, 6, torch.float32, gen, "cpu")
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="multiple of tokens_per_row"):
+        kernels.causal_conv1d_update_slots(
+            x, pool, weight, slots, slots, torch.zeros(2, dtype=torch.bool), tokens_per_row=2
+        )
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_conv_update_tokens_cuda_real_shapes(tokens: int) -> None:
+    from ninfer.ops.triton.conv_update import causal_conv1d_update_slots
+
+    gen = torch.Generator().manual_seed(tokens)
+    batch, channels, kernel = 8, 10240, 4
+    slots = batch * (tokens + 1)
+    x, pool, weight = _inputs(batch * tokens, channels, kernel, slots, torch.bfloat16, gen, "cuda")
+    state_in = torch.arange(batch, device="cuda")
+    state_out = torch.arange(batch, batch * (tokens + 1), device="cuda").reshape(batch, tokens)
+    fresh = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    y_ref, pool_ref = _reference_tokens(x, pool, weight, state_in, state_out, fresh, tokens)
+
+    y = causal_conv1d_update_slots(x, pool, weight, state_in, state_out, fresh, tokens_per_row=tokens)
+
+    assert max_rel_error(y, y_ref) < 1e-2
+    assert torch.equal(pool, pool_ref)

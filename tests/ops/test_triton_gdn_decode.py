@@ -185,6 +185,46 @@ def test_gdn_decode_intermediate_states_leave_pool_alone(kernels: ModuleType) ->
     assert torch.equal(x["pool"], pool_before), "with a scratch buffer the pool is read only"
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_gdn_decode_per_position_slots_hold_every_state(kernels: ModuleType, tokens: int) -> None:
+    """state_out [B, T]: the state after position t lands in slot state_out[r, t] (a verify's per-position
+    states), equal to the reference's state after that token; a padding row and a negative position slot
+    persist nothing, no other slot changes, a fresh row starts from zero."""
+    gen = torch.Generator().manual_seed(70 + tokens)
+    batch, nk, nv, dk, dv = 3, 2, 6, 16, 16
+    slots = 3 + batch * tokens
+    x = _inputs(batch, tokens, nk, nv, dk, dv, slots, gen)
+    state_in = torch.tensor([1, -1, 2], dtype=torch.int32)  # row 1 is padding
+    state_out = torch.arange(3, 3 + batch * tokens, dtype=torch.int32).reshape(batch, tokens)
+    state_out[2, 0] = -1  # row 2 keeps no state for its first position
+    fresh = torch.tensor([False, False, True])
+    x["pool"][2] = float("nan")  # the fresh row's slot must not be read
+    live = [0, 2]
+    starts = x["pool"].clone()
+    starts[2] = 0.0
+    x_ref = dict(x, pool=starts)
+    o_ref, _, states_ref = _reference(x_ref, live, state_in)
+    pool_before = x["pool"].clone()
+
+    o = kernels.gdn_decode_step(
+        x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["pool"], state_in, state_out,
+        fresh=fresh, block_v=8,
+    )  # fmt: skip
+
+    torch.testing.assert_close(o[live], o_ref, **CLOSE)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    written = []
+    for i, row in enumerate(live):
+        for t in range(tokens):
+            slot = int(state_out[row, t])
+            if slot < 0:
+                continue
+            written.append(slot)
+            torch.testing.assert_close(x["pool"][slot], states_ref[i, t], **CLOSE)
+    untouched = [s for s in range(slots) if s not in written]
+    assert torch.equal(x["pool"][untouched].nan_to_num(), pool_before[untouched].nan_to_num())
+
+
 def test_gdn_decode_rejects_bad_pool(kernels: ModuleType) -> None:
     gen = torch.Generator().manual_seed(1)
     x = _inputs(2, 1, 1, 2, 8, 8, 3, gen)

@@ -25,7 +25,9 @@ A row with state_out[r] < 0 is computed but not persisted. Slots written by one 
 written by another row of the same call (the pool is updated in place, with no ordering between rows).
 
 With `intermediate_states` [B, T, nv, dk, dv] fp32 the state after every position is written there and
-the pool is left alone: speculative verify then commits the accepted position's state.
+the pool is left alone. With state_out [B, T] the state after position t is written to pool slot
+state_out[r, t] instead: a speculative verify's per-position states, one of which the commit of the
+accepted prefix makes the sequence's current slot (no copy).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def _gdn_decode_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     WRITE_SCRATCH: tl.constexpr,
+    PER_POSITION: tl.constexpr,
     HAS_FRESH: tl.constexpr,
     SETTLED: tl.constexpr,
     LAUNCH_NEXT_EARLY: tl.constexpr,
@@ -105,7 +108,8 @@ def _gdn_decode_kernel(
     # the row's slots and fresh flag (step inputs: loaded at once, not after the recurrence), the state
     # tile (none for a padding row) and the gating parameters; with SETTLED before the wait
     slot_in = tl.load(state_in_ptr + row).to(tl.int64)
-    slot_out = tl.load(state_out_ptr + row).to(tl.int64)
+    # per position: each position's slot is loaded where its state is stored
+    slot_out = -1 if PER_POSITION else tl.load(state_out_ptr + row).to(tl.int64)
     if HAS_FRESH:
         is_fresh = tl.load(fresh_ptr + row) != 0
     state_ptrs = pool_ptr + (tl.maximum(slot_in, 0) * NV + head) * DK * DV + state_tile
@@ -159,7 +163,11 @@ def _gdn_decode_kernel(
             if WRITE_SCRATCH:
                 scratch_head = ((row.to(tl.int64) * num_tokens + t) * NV + head) * DK * DV
                 tl.store(scratch_ptr + scratch_head + state_tile, state, mask=mask_state)
-        if not WRITE_SCRATCH:  # a negative slot_out: nothing persists
+            if PER_POSITION:  # the state after position t persists in that position's slot
+                slot_t = tl.load(state_out_ptr + row * num_tokens + t).to(tl.int64)
+                t_ptrs = pool_ptr + (tl.maximum(slot_t, 0) * NV + head) * DK * DV + state_tile
+                tl.store(t_ptrs, state, mask=mask_state & (slot_t >= 0))
+        if not WRITE_SCRATCH and not PER_POSITION:  # a negative slot_out: nothing persists
             out_ptrs = pool_ptr + (tl.maximum(slot_out, 0) * NV + head) * DK * DV + state_tile
             tl.store(out_ptrs, state, mask=mask_state & (slot_out >= 0))
 
@@ -198,8 +206,10 @@ def gdn_decode_step(
     q, k [B, T, nk, dk] (or [B, nk, dk] for T = 1), v [B, T, nv, dv] (or [B, nv, dv]), a, b [B, T, nv]
     (or [B, nv]) in any float dtype (strided views of the projection outputs are fine as long as the
     last dim is contiguous); A_log, dt_bias [nv]; rec_pool [S, nv, dk, dv] fp32 contiguous;
-    state_in, state_out [B] integer slots (negative = padding / do not persist); `fresh` [B] bool: the
-    row starts from the zero state instead of its slot's (a sequence's first token).
+    state_in, state_out [B] integer slots (negative = padding / do not persist); state_out may be
+    [B, T] instead: the state after each position persists in its own slot (a speculative verify's
+    per-position states, selected at commit); `fresh` [B] bool: the row starts from the zero state
+    instead of its slot's (a sequence's first token).
     Returns o [B, T, nv, dv] fp32 ([B, nv, dv] when q had no token dim); `out` may supply that buffer.
     With `intermediate_states` [B, T, nv, dk, dv] fp32 the per-position states go there, not the pool.
     `settled=True`: rec_pool, A_log, dt_bias, state_in, state_out and fresh are complete before this
@@ -222,6 +232,19 @@ def gdn_decode_step(
         raise ValueError(
             f"rec_pool must be contiguous fp32 [S, {nv}, {dk}, {dv}], got {tuple(rec_pool.shape)}"
         )
+
+    per_position = state_out.dim() == 2
+    if state_in.shape != (batch,) or state_out.shape not in ((batch,), (batch, num_tokens)):
+        raise ValueError(
+            f"state_in {tuple(state_in.shape)} must be [{batch}], state_out {tuple(state_out.shape)} "
+            f"[{batch}] or [{batch}, {num_tokens}]"
+        )
+    if per_position and num_tokens == 1:  # one position: the final state, the decode step's own path
+        state_out, per_position = state_out.reshape(batch), False
+    if per_position and not state_out.is_contiguous():
+        state_out = state_out.contiguous()
+    if per_position and intermediate_states is not None:
+        raise ValueError("per-position state_out slots and intermediate_states are two forms of one output")
 
     o_shape = (batch, num_tokens, nv, dv)
     if out is None:
@@ -260,7 +283,7 @@ def gdn_decode_step(
         b.stride(0), b.stride(1), b.stride(2),
         dk**-0.5, _L2NORM_EPS,
         NV=nv, GROUP=nv // nk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
-        WRITE_SCRATCH=intermediate_states is not None, HAS_FRESH=fresh is not None,
+        WRITE_SCRATCH=intermediate_states is not None, PER_POSITION=per_position, HAS_FRESH=fresh is not None,
         SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early, num_warps=num_warps,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip

@@ -53,8 +53,10 @@ __all__ = [
 # (w, variant, mixed_qkv [N, conv_dim], a [N, nv], b [N, nv], conv_slots, rec_slots, batch)
 # -> o [N, nv, dv] in fp32 or the model dtype (the gated norm casts it to the model dtype first)
 GdnStep = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, Tensor, Tensor, "StepBatch"], Tensor]
-# (w, variant, x [B, H] the normed layer input, conv_slots, rec_slots, batch) -> (o [B, nv, dv] as GdnStep's,
-# z [B, value_dim]): the input projection, conv step and recurrence of one decode token per row
+# (w, variant, x [N, H] the normed layer input, conv_slots, rec_slots, batch) -> (o [N, nv, dv] as GdnStep's,
+# z [N, value_dim]): the input projection, conv steps and recurrence of batch.tokens_per_row tokens per row
+# (N = B * T, row-major), the state after each row's last token (T = 1, or state_out [B]) or after each of
+# its tokens (state_out [B, T]) written to its slots
 GdnDecode = Callable[["GdnLayerView", "Variant", Tensor, Tensor, Tensor, "StepBatch"], tuple[Tensor, Tensor]]
 
 
@@ -77,11 +79,13 @@ class Kernels:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
     swiglu: Callable[[Tensor, Tensor], Tensor]  # (gate, up) -> silu(gate) * up
-    gdn_decode: GdnDecode  # one token per row (N == B): graph-capturable
+    gdn_decode: GdnDecode  # T tokens per row (batch.tokens_per_row): graph-capturable
     gdn_prefill: GdnStep  # rows of any length
-    # (q [B, nH, D], k_pages, v_pages, block_table, context_lens, scale, qkv) -> the gated output [B, nH*D]
-    # (`attention_output_gate` of the attention's [B, nH, D], its gate read from qkv): graph-capturable
-    gated_decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor], Tensor]
+    # (q [N, nH, D], k_pages, v_pages, block_table [N, maxp], context_lens [N], scale, qkv, tokens_per_row)
+    # -> the gated output [N, nH*D] (`attention_output_gate` of the attention's [N, nH, D], its gate read
+    # from qkv): one query per table row, each seeing its context_lens positions; the step wrote the last
+    # tokens_per_row positions of each row's run of queries: graph-capturable
+    gated_decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor, int], Tensor]
     # (q [N, nH, D], k_pages, v_pages, batch, scale) -> [N, nH, D]: rows, pages and lengths from the batch
     prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float], Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
@@ -180,7 +184,7 @@ def _reference_attention_output_gate(o: Tensor, qkv: Tensor, variant: Variant) -
 
 def _reference_gated_decode_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
-    qkv: Tensor,
+    qkv: Tensor, tokens_per_row: int,
 ) -> Tensor:  # fmt: skip
     return _gated(reference_decode_attention(q, k_pages, v_pages, block_table, context_lens, scale), qkv)
 
@@ -264,12 +268,28 @@ def _reference_gdn_rows(
 def _reference_gdn_decode(
     w: GdnLayerView, variant: Variant, x: Tensor, conv_slots: Tensor, rec_slots: Tensor, batch: StepBatch
 ) -> tuple[Tensor, Tensor]:
+    """T tokens per row as T one-token steps over all rows at once (the states carried between them)."""
     mixed_qkv, z, a, b = gdn_in_projection(w, x, F.linear)
-    conv_in, rec_in = _gathered_states(batch, conv_slots, rec_slots)
-    o, conv_state, rec_state = _reference_gdn_rows(w, variant, mixed_qkv, a, b, conv_in, rec_in)
-    conv_slots.index_copy_(0, batch.state_out, conv_state.to(conv_slots.dtype))
-    rec_slots.index_copy_(0, batch.state_out, rec_state)
-    return o, z
+    conv, rec = _gathered_states(batch, conv_slots, rec_slots)
+    tokens, rows = batch.tokens_per_row or 1, batch.num_rows
+    if tokens == 1:
+        o, conv, rec = _reference_gdn_rows(w, variant, mixed_qkv, a, b, conv, rec)
+        conv_slots.index_copy_(0, batch.state_out.reshape(rows), conv.to(conv_slots.dtype))
+        rec_slots.index_copy_(0, batch.state_out.reshape(rows), rec)
+        return o, z
+    per_position = batch.state_out.dim() == 2
+    mixed_qkv, a, b = (t.unflatten(0, (rows, tokens)) for t in (mixed_qkv, a, b))
+    outputs = []
+    for t in range(tokens):
+        o, conv, rec = _reference_gdn_rows(w, variant, mixed_qkv[:, t], a[:, t], b[:, t], conv, rec)
+        outputs.append(o)
+        if per_position:
+            conv_slots.index_copy_(0, batch.state_out[:, t], conv.to(conv_slots.dtype))
+            rec_slots.index_copy_(0, batch.state_out[:, t], rec)
+    if not per_position:
+        conv_slots.index_copy_(0, batch.state_out, conv.to(conv_slots.dtype))
+        rec_slots.index_copy_(0, batch.state_out, rec)
+    return torch.stack(outputs, 1).flatten(0, 1), z
 
 
 def _reference_gdn_prefill(
@@ -368,6 +388,19 @@ def _fast_gdn_decode(
     from ninfer.ops.triton.gdn_decode import gdn_decode_step
     from ninfer.ops.triton.skinny_gemm import ConvStep, skinny_linear
 
+    tokens = batch.tokens_per_row or 1
+    if tokens > 1:  # a verify or forced span: projection, the conv over T tokens, the recurrence over T
+        mixed_qkv, z, a, b = gdn_in_projection(w, x, _fast_linear)
+        conv_out = causal_conv1d_update_slots(
+            mixed_qkv, conv_slots, w.conv_weight, batch.state_in, batch.state_out, batch.fresh,
+            tokens_per_row=tokens, settled=True,
+        )  # fmt: skip
+        q, k, v = (t.unflatten(0, (batch.num_rows, tokens)) for t in split_conv_output(variant, conv_out))
+        o = gdn_decode_step(
+            q, k, v, a.unflatten(0, (batch.num_rows, tokens)), b.unflatten(0, (batch.num_rows, tokens)),
+            w.A_log, w.dt_bias, rec_slots, batch.state_in, batch.state_out, fresh=batch.fresh, settled=True,
+        )  # fmt: skip
+        return o.flatten(0, 1), z
     if w.in_proj is not None and x.shape[0] in _CONV_EPILOGUE_ROWS and x.dtype == w.in_proj.dtype:
         conv = ConvStep(
             pool=conv_slots, weight=w.conv_weight, state_in=batch.state_in, state_out=batch.state_out,
@@ -539,16 +572,17 @@ def _fast_attention_prologue(
 
 def _fast_gated_decode_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
-    qkv: Tensor,
+    qkv: Tensor, tokens_per_row: int,
 ) -> Tensor:  # fmt: skip
     """The output gate applied where the attention's output is written (the merge of the split-KV
     partials, or the single-split kernel): one dependent launch fewer per attention layer than attention
-    + `sigmoid_gate`."""
+    + `sigmoid_gate`. Its early loads (``settled``) assume the step wrote only each query's newest
+    position, so a step of several tokens per row loads nothing before its wait."""
     from ninfer.ops.triton.paged_decode_attention import paged_decode_attention
 
     o = paged_decode_attention(
         q, k_pages, v_pages, block_table, context_lens, scale,
-        launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv, settled=True,
+        launch_next_early=_launches_next_early(q.shape[0]), gate_qkv=qkv, settled=tokens_per_row == 1,
     )  # fmt: skip
     return o.flatten(1)
 

@@ -5,11 +5,15 @@ writes it: GDN state slots (``state_in`` / ``state_out`` / ``fresh``) and KV pag
 ``slot_mapping``). The same `forward` serves prefill, chunked prefill, mixed steps and decode:
 
 - Attention is varlen over the flattened batch (paged KV), so it never loops over rows here.
-- Gated DeltaNet is per sequence: when any row has more than one token (prefill / mixed steps) it loops
-  over rows (causal conv + chunked delta rule, or the one-token step for 1-token rows). When every row
-  has exactly one token (decode, known from shapes alone: N == B) it runs one batched path with no
-  Python loop over rows and no host sync: state slots are gathered, stepped and scattered as tensors,
-  and attention and MoE take their static-shape decode kernels, so a CUDA graph per B can capture it.
+- Gated DeltaNet is per sequence: when rows have any lengths (prefill / mixed steps) it loops over rows
+  (causal conv + chunked delta rule, or the one-token step for 1-token rows). When every row has the
+  same number T of tokens (``tokens_per_row``: decode T = 1, a speculative verify T = K + 1) it runs one
+  batched path with no Python loop over rows and no host sync: state slots are gathered, stepped (T
+  times) and scattered as tensors, the state after each token optionally kept in its own slot, and
+  attention (one query per token, each with its own context length) and MoE take their static-shape
+  kernels, so a CUDA graph per (B, T) can capture it.
+- Inputs are token embeddings, some of them replaced by spliced embeddings (image features); hidden
+  states of chosen layers can be tapped (a drafter's conditioning).
 
 GDN state reads all happen before writes (gather, compute, scatter), so a row may write its state back
 into the slot it read (``state_out == state_in``). Distinct rows must write distinct slots.
@@ -20,7 +24,8 @@ Math: shared/reference/qwen3_6-architecture.md section 2; oracle: transformers'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -136,9 +141,18 @@ class StepBatch:
     block_table   [B, maxp] int32 the row's KV pages in order
     slot_mapping  [N] long        flat KV slot (page * page_size + offset) of each new token
     state_in      [B] long        GDN slot each row reads
-    state_out     [B] long        GDN slot each row writes its final state to (may equal state_in)
+    state_out     [B] long        GDN slot each row writes its final state to (may equal state_in), or
+                  [B, T] long     with T tokens per row: the slot of the state after each token (a
+                                  speculative verify's per-position states; they differ from state_in)
     fresh         [B] bool        the row starts from zero GDN state instead of reading state_in
-    inputs_embeds [N, H] | None   replaces the token embeddings (vision)
+    tokens_per_row                T when every row has exactly T tokens (the static-shape path a CUDA
+                                  graph captures: decode T = 1, a verify T = K + 1), None for rows of
+                                  any length (prefill); derived from the shapes when not given (1 when
+                                  N == B, else None)
+    splice_index  [M] long | None token positions whose input embedding comes from ``splice_embeds``
+    splice_embeds [M, H] | None   instead of the token embedding (image features at their pad tokens)
+    inputs_embeds [N, H] | None   replaces every token embedding (tests, the demo trainer)
+    taps          layer indices whose output (the residual stream after the layer) the forward returns
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
     context_lens_host             context_lens as host ints (prefill attention reads them)
 
@@ -155,9 +169,22 @@ class StepBatch:
     state_in: Tensor
     state_out: Tensor
     fresh: Tensor
+    tokens_per_row: int | None = None
+    splice_index: Tensor | None = None
+    splice_embeds: Tensor | None = None
     inputs_embeds: Tensor | None = None
+    taps: tuple[int, ...] = field(default=())
     query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
     context_lens_host: tuple[int, ...] | None = None  # context_lens on the host, when the builder knows it
+
+    def __post_init__(self) -> None:
+        tokens, rows = self.token_ids.shape[0], self.query_start.shape[0] - 1
+        if self.tokens_per_row is None and tokens == rows:
+            object.__setattr__(self, "tokens_per_row", 1)
+        elif self.tokens_per_row is not None and tokens != rows * self.tokens_per_row:
+            raise ValueError(f"{tokens} tokens are not {rows} rows of {self.tokens_per_row}")
+        if (self.splice_index is None) != (self.splice_embeds is None):
+            raise ValueError("splice_index and splice_embeds come together")
 
     def query_bounds(self) -> list[int]:
         """query_start as host ints (a device sync only when the builder did not supply them)."""
@@ -180,15 +207,35 @@ class StepBatch:
         return self.query_start.shape[0] - 1
 
     @property
+    def uniform(self) -> bool:
+        """Every row has exactly ``tokens_per_row`` tokens: the static-shape, graph-capturable path."""
+        return self.tokens_per_row is not None
+
+    @property
     def is_decode(self) -> bool:
         """Every row has exactly one token; decided from shapes only (no host sync)."""
-        return self.num_tokens == self.num_rows
+        return self.tokens_per_row == 1
+
+    @functools.cached_property
+    def query_tables(self) -> tuple[Tensor, Tensor]:
+        """(block_table [N, maxp], context_lens [N]) with one row per query token of a uniform step: query t
+        of a row of T sees the row's context up to its own position (context_lens[r] - T + 1 + t). For
+        T = 1 these are the rows' own tensors. Device ops only (graph-capturable), made once per step."""
+        tokens = self.tokens_per_row
+        if tokens is None:
+            raise ValueError("per-query tables exist for uniform steps only")
+        if tokens == 1:
+            return self.block_table, self.context_lens
+        offsets = torch.arange(1 - tokens, 1, device=self.context_lens.device, dtype=self.context_lens.dtype)
+        lens = (self.context_lens.unsqueeze(1) + offsets).flatten()
+        return self.block_table.repeat_interleave(tokens, dim=0), lens
 
 
 @dataclass(frozen=True, eq=False)
 class ForwardOutput:
     hidden: Tensor  # [N, H] after the final norm
     logits: Tensor | None  # fp32: [B, V] (each row's last token), [N, V], or None
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [N, H] residual stream after it
 
 
 # ---- forward -------------------------------------------------------------------------------------
@@ -214,25 +261,42 @@ def forward(
         x = batch.inputs_embeds.to(text.embed.dtype)
     else:
         x = F.embedding(batch.token_ids, text.embed)
+    if batch.splice_index is not None:
+        assert batch.splice_embeds is not None
+        x = x.index_copy(0, batch.splice_index, batch.splice_embeds.to(x.dtype))
     cos, sin = kernels.mrope_cos_sin(
         batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section
     )
     eps = variant.rms_norm_eps
     h = kernels.rms_norm(x, text.layers[0].input_norm, eps)
+    taps: dict[int, Tensor] = {}
     for i, layer in enumerate(text.layers):
         following = text.layers[i + 1].input_norm if i + 1 < len(text.layers) else text.norm
         h, x = _layer_blocks(layer, variant, h, x, following, batch, store, cos, sin, kernels)
+        if i in batch.taps:
+            taps[i] = x
     hidden = h
 
     if logits == "none":
-        return ForwardOutput(hidden=hidden, logits=None)
-    if logits == "last":  # one token per row: every row is its own last (no gather launch)
-        selected = hidden if batch.is_decode else hidden.index_select(0, batch.query_start[1:].long() - 1)
+        return ForwardOutput(hidden=hidden, logits=None, taps=taps)
+    if logits == "last":
+        selected = _last_tokens(hidden, batch)
     elif logits == "all":
         selected = hidden
     else:
         raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
-    return ForwardOutput(hidden=hidden, logits=kernels.logits(selected, text.lm_head))
+    return ForwardOutput(hidden=hidden, logits=kernels.logits(selected, text.lm_head), taps=taps)
+
+
+def _last_tokens(hidden: Tensor, batch: StepBatch) -> Tensor:
+    """Each row's last token of ``hidden`` [N, H] -> [B, H] (one token per row: ``hidden`` itself, no
+    gather launch; T per row: a strided view)."""
+    tokens = batch.tokens_per_row
+    if tokens == 1:
+        return hidden
+    if tokens is not None:
+        return hidden[tokens - 1 :: tokens]
+    return hidden.index_select(0, batch.query_start[1:].long() - 1)
 
 
 def _layer_blocks(
@@ -252,7 +316,7 @@ def _layer_blocks(
     act, out_proj = _mixer_activation(layer, variant, h, batch, store, cos, sin, kernels)
     h, x = kernels.linear_add_rms_norm(act, out_proj, x, layer.post_attention_norm, eps)
     if isinstance(layer.mlp, MoeMlpView):
-        mlp_out = kernels.moe_block(layer.mlp, variant, h, batch.is_decode)
+        mlp_out = kernels.moe_block(layer.mlp, variant, h, batch.uniform)
         return kernels.add_rms_norm(mlp_out, x, following_norm, eps)
     act = dense_mlp_activation(layer.mlp, h, kernels)
     return kernels.linear_add_rms_norm(act, layer.mlp.down_proj, x, following_norm, eps)
@@ -309,7 +373,7 @@ def decoder_layer(
     h = kernels.rms_norm(x, layer.input_norm, eps)
     mixed = _mixer(layer, variant, h, batch, store, cos, sin, kernels)
     h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_norm, eps)
-    return x + mlp(layer.mlp, variant, h, decode=batch.is_decode, kernels=kernels)
+    return x + mlp(layer.mlp, variant, h, decode=batch.uniform, kernels=kernels)
 
 
 # ---- gated attention ----------------------------------------------------------------------------
@@ -368,9 +432,10 @@ def attention_activation(
         qkv, w.q_norm, w.k_norm, cos, sin, k_pages, v_pages, batch.slot_mapping, variant
     )
     scale = variant.head_dim**-0.5
-    if batch.is_decode:  # one query per row: the graph-capturable kernel (no host sync), gate included
+    if batch.uniform:  # the graph-capturable kernel (no host sync), gate included: one query per table row
+        block_table, context_lens = batch.query_tables
         return kernels.gated_decode_attention(
-            q, k_pages, v_pages, batch.block_table, batch.context_lens, scale, qkv
+            q, k_pages, v_pages, block_table, context_lens, scale, qkv, batch.tokens_per_row or 1
         )
     o = kernels.prefill_attention(q, k_pages, v_pages, batch, scale)
     return kernels.attention_output_gate(o, qkv, variant)
@@ -430,9 +495,9 @@ def gdn_activation(
 ) -> Tensor:
     """`gdn_mixer` up to out_proj: the gated norm output [N, nv*dv].
 
-    Decode takes the layer input whole, so that the fast table can run the conv step inside the input
-    projection's epilogue."""
-    if batch.is_decode:
+    Uniform steps take the layer input whole, so that the fast table can run the conv step inside the
+    input projection's epilogue."""
+    if batch.uniform:
         o, z = kernels.gdn_decode(w, variant, x, conv_slots, rec_slots, batch)
     else:
         mixed_qkv, z, a, b = gdn_projection(w, x, kernels)
