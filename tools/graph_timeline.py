@@ -167,12 +167,12 @@ def engine_graphs(
         max_context=plan.max_context, device="auto", cuda_graphs=True, warmup=True,
     )  # fmt: skip
     engine = start_synthetic(package, config, seed=0).engine
-    graphs = engine.core._program._graphs  # type: ignore[attr-defined]
+    graphs = engine.core._program.executor.graphs  # type: ignore[attr-defined]
     replays: dict[int, Callable[[], None]] = {}
     try:
         gen = torch.Generator().manual_seed(0)
         for b in batches:
-            before = graphs.replays.get(b, 0)
+            before = graphs.replays.get((b, 1), 0)
             requests = [
                 GenerationRequest(prompt=torch.randint(100, 8000, (context,), generator=gen).tolist(),
                                   max_tokens=plan.decode_max_tokens(b), temperature=0.0, ignore_eos=True)
@@ -181,9 +181,9 @@ def engine_graphs(
             handles = [engine.submit(r) for r in requests]
             for handle in handles:
                 handle.result()
-            if graphs.replays.get(b, 0) == before:  # it would still hold the capture's placeholder step
+            if graphs.replays.get((b, 1), 0) == before:  # it would still hold the capture's placeholder step
                 raise RuntimeError(f"no decode round of {b} rows ran")
-            replays[b] = graphs._graphs[b].graph.replay  # holds B rows' last decode step
+            replays[b] = graphs.graph(b, 1).replay  # holds B rows' last decode step
     finally:
         engine.close()
     return engine, replays

@@ -10,13 +10,12 @@ H200). This splits it along the Program's calls, wrapped on the synthetic Engine
 `ninfer bench --synthetic` starts it:
 
     read        tokens read back (the end of the unit's one `tolist`)
-    <_pending   the PendingBatch built (rows, log-probs)
-    <decode     Program.decode returned (its inference-mode exit)
+    <decode     Program.decode returned (the pending rows built, its inference-mode exit)
     commit>     the Engine's checks and Frontend previews done, Program.commit called
     <commit     Program.commit returned
     decode>     the rest of the Engine's commit, the next boundary and the Scheduler: next decode call
-    _run>       decode's validation done
-    packed      the step packed (`StepBuilder.pack`); the input copy and the launch follow
+    uniform>    decode's validation done, the backend asks the executor for the step
+    packed      the step packed (`StepBuilder.uniform_values`); the input copy and the launch follow
 
 and prints the median of every consecutive pair over the timed rounds. CPU numbers are only a relative
 guide (the CPU's own forward pass between rounds evicts the caches this code runs from).
@@ -43,11 +42,12 @@ class PhaseStamps:
     def __init__(self, core: Any) -> None:
         self.stamps: list[tuple[str, float]] = []
         program = core._program
-        for name in ("_pending", "decode", "_run", "commit"):
+        for name in ("decode", "commit"):
             self._wrap(program, name, before=f"{name}>", after=f"<{name}")
-        self._wrap(program._steps, "pack", before=None, after="packed")
-        if program._graphs is not None:
-            self._wrap(program._graphs, "run", before="replay>", after="<replay")
+        self._wrap(program.executor, "uniform", before="uniform>", after="<uniform")
+        self._wrap(program.executor.steps, "uniform_values", before=None, after="packed")
+        if program.executor.graphs is not None:
+            self._wrap(program.executor.graphs, "run", before="replay>", after="<replay")
         # the Engine's side: its commit, the deferred publication, the next boundary and its choice
         for name in ("_commit_unit", "_publish_committed"):
             self._wrap(core, name, before=f"{name}>", after=f"<{name}")

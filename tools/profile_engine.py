@@ -90,12 +90,12 @@ class ReplayTimer:
     """Wraps the B-row decode graph's `replay` with CUDA events and host stamps (median per round)."""
 
     def __init__(self, engine: object, rows: int, limit: int) -> None:
-        from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+        from ninfer.targets.qwen3_6.impl.runtime import draws as program_module
 
         self.limit = limit  # rounds timed (the later ones run under cProfile and the tracer)
 
         program = engine.core._program  # type: ignore[attr-defined]
-        self.graph = program._graphs._graphs[rows].graph
+        self.graph = program.executor.graphs.graph(rows, 1)
         self.original = self.graph.replay
         self.rounds: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self.graph.replay = self.replay

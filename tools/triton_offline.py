@@ -190,8 +190,8 @@ def presets() -> dict[str, Preset]:
         ),
         "gdn_decode": Preset(
             gdn_decode._gdn_decode_kernel,
-            dict(NV=32, GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, WRITE_SCRATCH=False, HAS_FRESH=True,
-                 SETTLED=True, **pdl),
+            dict(NV=32, GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, WRITE_SCRATCH=False,
+                 PER_POSITION=False, HAS_FRESH=True, SETTLED=True, **pdl),
             {"state_in_ptr": "*i64", "state_out_ptr": "*i64", "fresh_ptr": "*i1", "pool_ptr": fp32,
              "scratch_ptr": fp32, "o_ptr": fp32, "a_log_ptr": fp32, "dt_bias_ptr": fp32, "scale": "fp32",
              "eps": "fp32"},

@@ -28,23 +28,39 @@ truncation, which is what the OpenAI API and vLLM (default ``logprobs_mode``) re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-MAX_LOGPROBS = 20
+from ninfer.runtime.contract.types import MAX_TOP_LOGPROBS, SamplingParams
+
+__all__ = [
+    "ALL_CANDIDATES",
+    "MAX_LOGPROBS",
+    "MIN_TEMPERATURE",
+    "SampleResult",
+    "SamplingBatch",
+    "SamplingParams",
+    "apply_filters",
+    "apply_penalties",
+    "counter_bits",
+    "counter_uniform",
+    "gumbel_noise",
+    "mix32",
+    "mix32_int",
+    "sample",
+    "wrap_seed",
+]
+
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 # Temperatures in (0, MIN_TEMPERATURE) are computed as MIN_TEMPERATURE: below it the draw is already
 # the argmax for any realistic logit gap, and a smaller divisor could overflow float32 to inf.
 MIN_TEMPERATURE = 1e-5
-PENALTY_LIMIT = 2.0  # OpenAI / vLLM range for presence and frequency penalties
 ALL_CANDIDATES = 1 << 62  # `SamplingBatch.candidates` value meaning "a full sort of the vocabulary"
 
 _MASK32 = 0xFFFFFFFF
-_SEED_MIN = -(1 << 63)
-_SEED_MAX = (1 << 64) - 1
 _INT32_MAX = (1 << 31) - 1
 _NEG_INF = float("-inf")
 
@@ -177,64 +193,6 @@ def gumbel_noise(
 # --------------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings (OpenAI / vLLM meanings)."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF/vLLM: divides positive, multiplies negative logits of seen tokens
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None  # number of top log-probs to return, None = none
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalised(self) -> bool:
-        """Any penalty away from neutral: the sampler needs the prompt mask and output counts."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its allowed range."""
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
-            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        logprobs = self.logprobs
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-
-
 def wrap_seed(seed: int) -> int:
     """A seed taken modulo 2**64, as the int64 (two's complement) a device tensor can hold."""
     seed &= (1 << 64) - 1
@@ -284,7 +242,7 @@ class SamplingBatch:
         for p in params:
             p.validate()
         for s in seeds:
-            if not _is_int(s):
+            if not isinstance(s, int) or isinstance(s, bool):
                 raise ValueError(f"seed must be an integer, got {s!r}")
         f32 = torch.float32
         return {

@@ -61,7 +61,7 @@ def run(artifact: object, name: str, lookahead: bool) -> tuple[list[Stream], dic
             events += [list(h) for h in handles]
         program = engine.core._program  # idle once every result is out
         assert program.usage() == engine.core.baseline
-        counts = dict(program.lookahead)
+        counts = dict(program.backend.lookahead)
     # request ids differ between the two Engines only by their start; everything else must match
     return [[_without_ids(e) for e in stream] for stream in events], counts
 

@@ -195,21 +195,20 @@ def test_decode_calls_while_running_once_and_a_raising_callback_opens_nothing() 
 def _with_graph_argmax(program: Qwen36Program, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Give every one-token-per-row step the argmax a decode graph computes (CPU has no graphs), and
     count the sampler's calls."""
-    from ninfer.targets.qwen3_6.impl.runtime import program as program_module
+    from ninfer.targets.qwen3_6.impl.runtime import draws
 
-    run, sample, calls = program._run, program_module.sample, []
+    run, sample, calls = program.executor.uniform, draws.sample, []
 
-    def run_with_argmax(seqs: list, inputs: list, *, write_spare: bool, logits: str) -> object:
-        out = run(seqs, inputs, write_spare=write_spare, logits=logits)
-        one_token = logits == "last" and all(len(row) == 1 for row in inputs)
-        return out._replace(greedy=out.logits.argmax(dim=-1)) if one_token else out
+    def run_with_argmax(seqs: list, tokens: list, tokens_per_row: int, **kwargs: object) -> object:
+        out = run(seqs, tokens, tokens_per_row, **kwargs)
+        return out._replace(greedy=out.logits.argmax(dim=-1)) if tokens_per_row == 1 else out
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(program, "_run", run_with_argmax)
-    monkeypatch.setattr(program_module, "sample", counted)
+    monkeypatch.setattr(program.executor, "uniform", run_with_argmax)
+    monkeypatch.setattr(draws, "sample", counted)
     return calls
 
 

@@ -222,12 +222,12 @@ SCRIPTS = [
 
 def run(script: Script, program: Qwen36Program) -> tuple[Seen, dict[str, int]]:
     driver = Driver(program)
-    baseline, before = program.usage(), dict(program.lookahead)
+    baseline, before = program.usage(), dict(program.backend.lookahead)
     script(driver)
     for handle in [s.handle for s in program._sequences.values()]:
         program.release(handle)
     assert program.usage() == baseline
-    return driver.seen, {k: n - before[k] for k, n in program.lookahead.items()}
+    return driver.seen, {k: n - before[k] for k, n in program.backend.lookahead.items()}
 
 
 # scripts whose next round is the lookahead's (all their rounds repeat or lose rows by length only)
@@ -254,12 +254,12 @@ def test_no_lookahead_past_the_budget_or_with_penalties() -> None:
     last = d.materialize(ps[0], 2)
     d.prefill(last)
     d.decode_commit([last], [1])
-    assert program._ahead is None
+    assert program.backend.ahead is None
     penalised = d.materialize(ps[1], 8, repetition_penalty=1.3)
     d.prefill(penalised)
     d.decode_commit([penalised])
-    assert program._ahead is None
-    assert not any(program.lookahead.values()), program.lookahead
+    assert program.backend.ahead is None
+    assert not any(program.backend.lookahead.values()), program.backend.lookahead
     plain = Driver(lookahead_program("qwen3_6_tiny", False, max_concurrency=2))
     for p, n in zip(ps, (2, 8)):
         h = plain.materialize(p, n, **({} if n == 2 else {"repetition_penalty": 1.3}))
@@ -289,14 +289,14 @@ def test_lookahead_in_cuda_graphs_gives_what_plain_decoding_gives(name: str) -> 
     those that drop it unread, gives exactly the plain Program's units."""
     on = make_program(name, decode_lookahead=True, device="cuda")
     off = make_program(name, decode_lookahead=False, device="cuda")
-    assert on._graphs is not None and off._graphs is not None
+    assert on.executor.graphs is not None and off.executor.graphs is not None
     for script in SCRIPTS:
         with_lookahead, counts = run(script, on)
         plain, _ = run(script, off)
         assert with_lookahead == plain, script.__name__
         assert counts["taken"] >= 1, (script.__name__, counts)
     # greedy rows fed the graph's own argmax in place (no device copy), the rest by a copy
-    assert on._graphs.fed_in_place >= 1 and off._graphs.fed_in_place == 0
+    assert on.executor.graphs.fed_in_place >= 1 and off.executor.graphs.fed_in_place == 0
 
 
 torch.set_num_threads(1)

@@ -16,8 +16,13 @@ PAGE = 8
 
 
 def _seq(frontier: int, pages: list[int], index: int) -> SimpleNamespace:
-    return SimpleNamespace(frontier=frontier, pages=pages, slot=2 * index, spare=2 * index + 1,
-                           handle=SimpleNamespace(index=index))  # fmt: skip
+    return SimpleNamespace(frontier=frontier, pages=pages, slot=2 * index, current=2 * index,
+                           spare=2 * index + 1, handle=SimpleNamespace(index=index), rope_delta=0,
+                           prompt_positions=None)  # fmt: skip
+
+
+def _spares(seqs: list[SimpleNamespace]) -> list[int]:
+    return [s.spare for s in seqs]
 
 
 def test_pack_maps_every_position_to_its_page_slot() -> None:
@@ -30,7 +35,7 @@ def test_pack_maps_every_position_to_its_page_slot() -> None:
     rows = [(0, 77), (13, 1), (7, 2), (9, 15)]
     seqs = [_seq(f, pages, i % 3) for i, (f, _) in enumerate(rows)]
     inputs = [[1000 + 10 * i + t for t in range(n)] for i, (_, n) in enumerate(rows)]
-    packed = builder.pack(seqs, inputs, write_spare=True)
+    packed = builder.pack(seqs, inputs, state_out=_spares(seqs))
     fields = packed.fields()
     want_positions = [p for f, n in rows for p in range(f, f + n)]
     assert fields.positions.tolist() == want_positions
@@ -43,7 +48,7 @@ def test_pack_maps_every_position_to_its_page_slot() -> None:
 
 
 def test_decode_rows_take_the_short_path_to_the_same_layout() -> None:
-    """One token per row (a decode round): `decode_values`, which the decode graph writes into its
+    """One token per row (a decode round): `uniform_values`, which the decode graph writes into its
     staging buffer, and `pack` over the same rows give the layout the general packing gives, field by
     field, at page starts, page ends and mid-page."""
     rng = random.Random(1)
@@ -54,8 +59,9 @@ def test_decode_rows_take_the_short_path_to_the_same_layout() -> None:
     seqs = [_seq(f, pages, i) for i, f in enumerate(frontiers)]
     tokens = [7, 11, 13, 17, 19]
     for write_spare in (True, False):
-        values = builder.decode_values(seqs, tokens, write_spare=write_spare)
-        packed = builder.pack(seqs, [[t] for t in tokens], write_spare=write_spare)
+        outs = _spares(seqs) if write_spare else [s.slot for s in seqs]
+        values = builder.uniform_values(seqs, tokens, 1, state_in=[s.slot for s in seqs], state_out=outs)
+        packed = builder.pack(seqs, [[t] for t in tokens], state_out=outs)
         assert packed.values.tolist() == values
         assert packed.is_decode and packed.num_rows == len(seqs)
         f = packed.fields()
@@ -80,7 +86,7 @@ def test_unpack_on_the_host_gives_the_step_batch_fields() -> None:
     builder = StepBuilder(PAGE, tables)
     seqs = [_seq(f, pages, i) for i, f in zip((3, 0, 4), (9, 0, 17))]
     for inputs in ([[5], [6], [7]], [[1, 2, 3], [4], [5, 6]]):  # a decode, then a prefill-like step
-        packed = builder.pack(seqs, inputs, write_spare=True)
+        packed = builder.pack(seqs, inputs, state_out=_spares(seqs))
         f = packed.fields()
         batch = builder.unpack(packed)
         assert batch.token_ids is f.token_ids and batch.slot_mapping is f.slot_mapping
@@ -100,11 +106,11 @@ def test_unpack_feeds_the_negative_token_ids_of_a_decode() -> None:
     builder = StepBuilder(PAGE, tables)
     seqs = [_seq(f, list(range(40)), i) for i, f in zip((3, 0, 4), (9, 0, 17))]
     feed = torch.tensor([70, 71, 72])
-    packed = builder.pack(seqs, [[-1], [6], [-1]], write_spare=True)
+    packed = builder.pack(seqs, [[-1], [6], [-1]], state_out=_spares(seqs))
     assert builder.unpack(packed, feed).token_ids.tolist() == [70, 6, 72]
     assert builder.unpack(packed).token_ids.tolist() == [-1, 6, -1]
     with pytest.raises(ValueError, match="only a decode"):
-        builder.unpack(builder.pack(seqs, [[1, 2], [3], [4]], write_spare=True), feed)
+        builder.unpack(builder.pack(seqs, [[1, 2], [3], [4]], state_out=_spares(seqs)), feed)
 
 
 def test_fused_unpack_needs_cuda_tables_and_is_off_by_default() -> None:

@@ -148,7 +148,7 @@ def test_sampled_tokens_stay_in_kept_set() -> None:
 def test_logprobs_are_raw_log_softmax() -> None:
     logits, prompt_mask, counts, _ = _penalty_case()
     params = [
-        SamplingParams(temperature=0.3, top_k=4, repetition_penalty=1.8, logprobs=5),
+        SamplingParams(temperature=0.3, top_k=4, repetition_penalty=1.8),
         SamplingParams(temperature=0, frequency_penalty=2.0),
         SamplingParams(temperature=1.5, top_p=0.5, presence_penalty=-2.0),
         SamplingParams(min_p=0.2),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ninfer.ops.sampling import ALL_CANDIDATES, SamplingBatch, SamplingParams, sample, wrap_seed
+from ninfer.runtime.contract.types import LogprobParams
 
 torch.set_num_threads(1)
 
@@ -26,8 +27,6 @@ torch.set_num_threads(1)
         ({"frequency_penalty": -2.01}, r"frequency_penalty must be a number in \[-2, 2\]"),
         ({"seed": 1 << 64}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
         ({"seed": True}, r"seed must be None or an integer"),
-        ({"logprobs": 21}, r"logprobs must be None or an integer in \[0, 20\]"),
-        ({"logprobs": -1}, r"logprobs must be None or an integer in \[0, 20\]"),
     ],
 )
 def test_validate_names_field_and_range(kwargs: dict[str, object], pattern: str) -> None:
@@ -36,13 +35,30 @@ def test_validate_names_field_and_range(kwargs: dict[str, object], pattern: str)
     assert repr(next(iter(kwargs.values()))) in str(info.value)  # the bad value is echoed
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"top_n": 21}, r"logprobs must be None or an integer in \[0, 20\]"),
+        ({"top_n": -1}, r"logprobs must be None or an integer in \[0, 20\]"),
+    ],
+)
+def test_logprob_params_validate_names_field_and_range(kwargs: dict[str, object], pattern: str) -> None:
+    """How many top log-probs a row carries is the request's LogprobParams (one value, not a twin field
+    of the sampling settings)."""
+    with pytest.raises(ValueError, match=pattern) as info:
+        LogprobParams(enabled=True, **kwargs).validate()  # type: ignore[arg-type]
+    assert repr(next(iter(kwargs.values()))) in str(info.value)  # the bad value is echoed
+
+
 def test_validate_accepts_edges() -> None:
     for params in (
         SamplingParams(),
-        SamplingParams(temperature=0.0, top_k=1, top_p=1e-6, min_p=1.0, seed=-(1 << 63), logprobs=0),
-        SamplingParams(presence_penalty=-2, frequency_penalty=2, seed=(1 << 64) - 1, logprobs=20),
+        SamplingParams(temperature=0.0, top_k=1, top_p=1e-6, min_p=1.0, seed=-(1 << 63)),
+        SamplingParams(presence_penalty=-2, frequency_penalty=2, seed=(1 << 64) - 1),
     ):
         params.validate()
+    for logprobs in (LogprobParams(True, 0), LogprobParams(True, 20)):
+        logprobs.validate()
 
 
 def test_greedy_property() -> None:

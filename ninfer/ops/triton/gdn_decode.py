@@ -108,8 +108,8 @@ def _gdn_decode_kernel(
     # the row's slots and fresh flag (step inputs: loaded at once, not after the recurrence), the state
     # tile (none for a padding row) and the gating parameters; with SETTLED before the wait
     slot_in = tl.load(state_in_ptr + row).to(tl.int64)
-    # per position: each position's slot is loaded where its state is stored
-    slot_out = -1 if PER_POSITION else tl.load(state_out_ptr + row).to(tl.int64)
+    if not PER_POSITION:  # per position, each position's slot is loaded where its state is stored
+        slot_out = tl.load(state_out_ptr + row).to(tl.int64)
     if HAS_FRESH:
         is_fresh = tl.load(fresh_ptr + row) != 0
     state_ptrs = pool_ptr + (tl.maximum(slot_in, 0) * NV + head) * DK * DV + state_tile

@@ -68,6 +68,7 @@ Rules every Program implementation must keep (each method's docstring repeats th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
@@ -157,16 +158,32 @@ class CheckpointEntry:
 # ---------------------------------------------------------------------------------------------------
 
 
+_PENALTY_LIMIT = 2.0  # OpenAI / vLLM range for presence and frequency penalties
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Validated sampling options (the public request is checked before it gets here).
+    """One request's resolved sampling settings (OpenAI / vLLM meanings), as the Program and the sampler
+    use them.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k, ``top_p == 1`` and ``min_p == 0``
-    disable theirs, penalties at their neutral values (0, 0, 1) are off. ``seed`` is always set: the
-    Engine draws one when the user gave none, so every request is reproducible from its plan.
+    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k, ``top_p == 1`` and ``min_p == 0``
+    disable theirs, penalties at their neutral values (0, 0, 1) are off; the repetition penalty (HF/vLLM)
+    divides positive and multiplies negative logits of seen tokens. ``seed`` is always set in a
+    `RequestPlan`: the Engine draws one when the user gave none, so every request is reproducible from
+    its plan. The Engine checks the request's values (``GenerationRequest.problems``, the model's defaults
+    in ``Engine._plan``) before it builds one; `validate` is the sampler's own argument check.
     """
 
-    seed: int
+    seed: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -175,6 +192,41 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Any penalty away from neutral: the sampler needs the prompt mask and output counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its allowed range."""
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -_PENALTY_LIMIT <= value <= _PENALTY_LIMIT:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+
+
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class LogprobParams:
@@ -182,6 +234,15 @@ class LogprobParams:
 
     enabled: bool = False
     top_n: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError unless top_n is an integer in 0..20 (and 0 when log-probs are off)."""
+        if not _is_int(self.top_n) or not 0 <= self.top_n <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_n!r}"
+            )
+        if self.top_n and not self.enabled:
+            raise ValueError("top log-probs need log-probs enabled")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,40 +1,50 @@
-"""CUDA graphs for the decode unit, one per exact batch size ``B`` (1..max_concurrency).
+"""CUDA graphs of uniform steps, one per exact shape ``(B, T)``: B rows of T tokens each (decode T = 1,
+a speculative verify T = K + 1).
 
-A graph reads one static buffer: the step's packed host facts (`step.PackedStep`: token ids,
-positions, KV slots, context lengths, state slots, fresh flags, sequence indices), written as a plain
-list (`StepBuilder.decode_values`) into a pinned staging buffer (two per graph, used in turn, for the
-Program's decode lookahead) and copied in with one host-to-device copy before replay. Unpacking them into
-the model's `StepBatch` (casts, the block-table gather) is part of the captured work. A lookahead's input
-tokens are the previous unit's draw, on the device: when that unit was this graph's last replay and its
-rows took the graph's argmax, the replay reads them where the argmax wrote them (the packed token ids
-are -1, `StepBuilder.unpack`'s ``feed``), with no device copy queued between the two replays; any other
-draw (the sampler's, a subset of rows) is copied over the token ids first. Request identity
-and page ids are data, never part of the key, so one graph per ``B`` serves every mix of requests.
-Graphs share one memory pool and are captured once, at Program construction (warmup), never on the
-request path.
+A graph reads one static buffer: the step's packed host facts (`step.PackedStep`: token ids, positions,
+KV slots, context lengths, state slots, fresh flags, sequence indices, and for T > 1 the per-position
+state slots), written as a plain list (`StepBuilder.uniform_values`) into a pinned staging buffer (two
+per graph, used in turn, for the Program's decode lookahead) and copied in with one host-to-device copy
+before replay. Unpacking them into the model's `StepBatch` (casts, the block-table gather) is part of
+the captured work. A decode lookahead's input tokens are the previous unit's draw, on the device: when
+that unit was this graph's last replay and its rows took the graph's argmax, the replay reads them where
+the argmax wrote them (the packed token ids are -1, `StepBuilder.unpack`'s ``feed``), with no device
+copy queued between the two replays; any other draw (the sampler's, a subset of rows) is copied over the
+token ids first. Request identity and page ids are data, never part of the key, so one graph per shape
+serves every mix of requests. Graphs share one memory pool and are captured once, at Program
+construction, never on the request path.
 
-Each graph ends with the argmax of its logits (``argmax``, the op table's): rows that all decode
-greedily, without penalties or log-probs, take their tokens from it and skip the sampler's launches after
-the replay (steps that still run the sampler pay for one unused argmax over the vocabulary inside the
-graph).
+Each graph computes the logits of every token (``[B*T, V]``, fp32), their argmax (the op table's) and
+keeps the final hidden states (``[B*T, H]``, a drafter's input): greedy rows without penalties or
+log-probs take their tokens from the argmax and skip the sampler's launches after the replay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 
-# (the packed device inputs, the feed: the graph's own argmax buffer) -> last-token logits
-DecodeFn = Callable[[PackedStep, torch.Tensor], torch.Tensor]
+# (the packed device inputs, the feed: the graph's own argmax buffer) -> (logits [N, V], hidden [N, H])
+StepFn = Callable[[PackedStep, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 ArgmaxFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (logits, out) -> argmax
 
 
+class GraphRun(NamedTuple):
+    """A replay's static outputs (valid until the next replay of any graph: they share one pool)."""
+
+    logits: torch.Tensor  # [B*T, V] fp32
+    step: PackedStep  # the static inputs, on the device
+    greedy: torch.Tensor  # [B*T] int64: the argmax of each token's logits
+    hidden: torch.Tensor  # [B*T, H] after the final norm
+
+
 class _Graph:
-    def __init__(self, b: int, scratch_slot: int, device: torch.device) -> None:
-        self.inputs = StepBuilder.placeholder(b, scratch_slot, device)  # the static input buffer
+    def __init__(self, rows: int, tokens: int, scratch_slot: int, device: torch.device) -> None:
+        self.inputs = StepBuilder.placeholder(rows, tokens, scratch_slot, device)  # the static input buffer
         # pinned host staging of the same size (a copy from pageable memory costs the host a staged,
         # synchronous transfer), two buffers used in turn: with the Program's lookahead a replay is
         # queued while the one before it has not run, so a buffer is rewritten only once the copy that
@@ -45,68 +55,80 @@ class _Graph:
         self.turn = 0
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
-        self.greedy: torch.Tensor | None = None  # [B] int64: argmax of each row's logits
+        self.hidden: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None  # [B*T] int64: argmax of each token's logits
 
 
-class DecodeGraphs:
-    """Captured decode steps keyed by exact ``B``; `run` replays the one for the step's B."""
+class StepGraphs:
+    """Captured uniform steps keyed by exact ``(B, T)``; `run` replays the one for the step's shape."""
 
     def __init__(
         self,
-        fn: DecodeFn,
-        max_batch: int,
+        fn: StepFn,
+        shapes: Iterable[tuple[int, int]],
         device: torch.device,
         scratch_slot: int,
         argmax: ArgmaxFn = lambda logits, out: torch.argmax(logits, dim=-1, out=out),
     ) -> None:
-        self._graphs: dict[int, _Graph] = {}
-        self.replays: dict[int, int] = {}  # B -> replay count (observability; tests read it)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.replays: dict[tuple[int, int], int] = {}  # shape -> replay count (observability; tests read it)
         self.fed_in_place = 0  # replays that read the last replay's argmax as their tokens (tests read it)
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        # the largest step first: the pool then fits the smaller ones
         with torch.cuda.stream(stream):
-            for b in range(max_batch, 0, -1):  # largest first: the pool then fits the smaller ones
-                g = _Graph(b, scratch_slot, device)
+            for rows, tokens in sorted(set(shapes), key=lambda s: (s[0] * s[1], s), reverse=True):
+                g = _Graph(rows, tokens, scratch_slot, device)
                 for _ in range(2):  # warm allocator, library handles and kernel modules outside the capture
-                    feed = torch.empty(b, dtype=torch.int64, device=device)
-                    argmax(fn(g.inputs, feed), feed)
+                    out = torch.empty(rows * tokens, dtype=torch.int64, device=device)
+                    argmax(fn(g.inputs, out if tokens == 1 else None)[0], out)
                 with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
                     # the argmax's output, allocated before the step that reads it as the next replay's feed
-                    g.greedy = torch.empty(b, dtype=torch.int64, device=device)
-                    g.logits = fn(g.inputs, g.greedy)
+                    g.greedy = torch.empty(rows * tokens, dtype=torch.int64, device=device)
+                    g.logits, g.hidden = fn(g.inputs, g.greedy if tokens == 1 else None)
                     argmax(g.logits, g.greedy)
-                self._graphs[b] = g
+                self._graphs[(rows, tokens)] = g
         torch.cuda.current_stream(device).wait_stream(stream)
 
     @property
-    def sizes(self) -> list[int]:
+    def shapes(self) -> list[tuple[int, int]]:
         return sorted(self._graphs)
 
-    def run(
-        self, values: list[int], rows: int, tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, PackedStep, torch.Tensor]:
-        """Copy a decode step's packed ``values`` (`StepBuilder.decode_values`, ``rows`` rows) in and
-        replay: (logits, the step on the device, each row's argmax token).
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes of the one-token (decode) graphs."""
+        return sorted(b for b, t in self._graphs if t == 1)
 
-        ``tokens``: the rows' input tokens as a device tensor (the sampled tokens of the unit before,
-        not yet read back): read in place when they are this graph's argmax buffer (its last replay's
-        draw), else copied over the token ids in ``values``.
-        All three results are the graphs' static buffers (one shared pool): valid until the next `run`.
+    def has(self, rows: int, tokens: int) -> bool:
+        return (rows, tokens) in self._graphs
+
+    def graph(self, rows: int, tokens: int) -> torch.cuda.CUDAGraph:
+        return self._graphs[(rows, tokens)].graph
+
+    def run(
+        self, values: list[int], rows: int, tokens_per_row: int, fed: torch.Tensor | None = None
+    ) -> GraphRun:
+        """Copy a uniform step's packed ``values`` (`StepBuilder.uniform_values`) in and replay.
+
+        ``fed`` (one token per row only): the rows' input tokens as a device tensor (the tokens drawn by
+        the unit before, not yet read back): read in place when they are this graph's argmax buffer (its
+        last replay's draw), else copied over the token ids in ``values``.
         """
-        g = self._graphs[rows]
+        g = self._graphs[(rows, tokens_per_row)]
         turn, g.turn = g.turn, g.turn ^ 1
         g.copied[turn].synchronize()  # at once, unless that copy belongs to a unit still queued
         g.staging_arrays[turn][:] = values
-        fed_in_place = tokens is g.greedy
+        fed_in_place = fed is not None and fed is g.greedy
         if fed_in_place:
             g.staging_arrays[turn][:rows] = -1  # the token ids: the graph's unpack reads its feed instead
             self.fed_in_place += 1
         g.inputs.values.copy_(g.staging[turn], non_blocking=True)
         g.copied[turn].record()
-        if tokens is not None and not fed_in_place:
-            g.inputs.fields().token_ids.copy_(tokens)
+        if fed is not None and not fed_in_place:
+            g.inputs.fields().token_ids.copy_(fed)
         g.graph.replay()
-        self.replays[rows] = self.replays.get(rows, 0) + 1
-        assert g.logits is not None and g.greedy is not None
-        return g.logits, g.inputs, g.greedy
+        key = (rows, tokens_per_row)
+        self.replays[key] = self.replays.get(key, 0) + 1
+        assert g.logits is not None and g.greedy is not None and g.hidden is not None
+        return GraphRun(g.logits, g.inputs, g.greedy, g.hidden)

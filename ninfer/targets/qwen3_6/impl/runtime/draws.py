@@ -1,0 +1,239 @@
+"""Drawing a step's tokens and bringing them to the host: the Program's sampling glue.
+
+`Sampler` owns the per-sequence penalty tables (prompt mask, output counts: one row per sequence index,
+allocated once) and the device copy of the rows' sampling settings (rebuilt only when the rows change:
+steady decode repeats the same rows every step). `Sampler.draw` queues the draw (the sampler, or a step
+graph's argmax where that is exactly the sampler's draw) and the copies of its results to pinned host
+memory behind the step, without waiting; `Queued.read` waits and returns them. A unit's one host sync is
+that read.
+
+Every draw is counter-based (`ninfer.ops.sampling`): the randomness of a token is a function of the
+request's seed and the token's absolute position, so a row's draw does not depend on the batch it runs
+in, and the "RNG" advances only when a position is committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ninfer.ops.sampling import SampleResult, SamplingBatch, sample
+from ninfer.ops.speculative import verify_drafts
+from ninfer.runtime.contract.types import PendingRow, SequenceHandle, TokenLogprob
+from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep
+
+
+class StepRun(NamedTuple):
+    """What one step leaves on the device."""
+
+    logits: torch.Tensor | None  # [rows, V] fp32: each row's last token, or every token of a uniform step
+    step: PackedStep  # the step's packed facts, on the device (positions, sequence indices)
+    greedy: torch.Tensor | None = None  # the argmax of ``logits``, where a step graph computed it
+    hidden: torch.Tensor | None = None  # [N, H] after the final norm
+
+
+@dataclass(eq=False)
+class Queued:
+    """A unit's drawn tokens (and log-probs) on their way to the host: the copies are queued on the
+    device behind the draw, which is queued behind the step."""
+
+    drawn: torch.Tensor  # [B] the tokens on the device (a lookahead unit's inputs)
+    tokens: torch.Tensor  # [B] their host copy
+    logprob: torch.Tensor | None  # [B] host copies of the log-probs, where a row wants them
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA); None: they are done
+
+    @classmethod
+    def copy_back(cls, drawn: torch.Tensor, result: SampleResult | None, logprob: bool, top: bool) -> Queued:
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True)  # into pinned memory from CUDA: queued, not waited on
+
+        done = None
+        tokens = host(drawn)
+        chosen = host(result.logprob) if result is not None and logprob else None
+        top_ids = host(result.top_ids) if result is not None and top else None
+        top_lp = host(result.top_logprobs) if result is not None and top else None
+        if drawn.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(drawn, tokens, chosen, top_ids, top_lp, done)
+
+    def read(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """Wait for the copies; the rows' tokens, log-probs, top ids and top log-probs (empty lists where
+        the unit computed none)."""
+        if self.done is not None:
+            self.done.synchronize()
+
+        def host(t: torch.Tensor | None) -> list:
+            return t.tolist() if t is not None else []
+
+        return host(self.tokens), host(self.logprob), host(self.top_ids), host(self.top_logprobs)
+
+    def rows(self, seqs: Sequence[SequenceState], metas: Sequence[object]) -> list[PendingRow]:
+        """One-token pending rows of ``seqs`` (read back first), each with its commit metadata."""
+        tokens, chosen, top_ids, top_lp = self.read()  # the one host sync of a unit: the Engine needs them
+        rows = []
+        for i, s in enumerate(seqs):
+            lp = None
+            if s.logprobs.enabled:
+                n = s.logprobs.top_n
+                top = tuple(zip(top_ids[i][:n], top_lp[i][:n])) if n else ()
+                lp = (TokenLogprob(token_id=tokens[i], logprob=chosen[i], top=top),)
+            rows.append(PendingRow(s.handle, (tokens[i],), s.frontier, lp, metas[i]))
+        return rows
+
+
+class Sampler:
+    """Penalty tables and the rows' sampling settings on the device; draws tokens from a step's logits."""
+
+    def __init__(self, max_sequences: int, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        # one row per sequence index (allocated once; written at materialization and commit)
+        self.prompt_mask = torch.zeros(max_sequences, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(max_sequences, vocab_size, dtype=torch.int32, device=device)
+        self._batch: SamplingBatch | None = None  # the last draw's rows' settings (see `settings`)
+        self._rows: tuple[SequenceHandle, ...] = ()
+
+    def start(self, seq: SequenceState) -> None:
+        """A new sequence at its index: its penalty rows from its prompt (only when it is penalised)."""
+        if seq.penalised:
+            index = seq.handle.index
+            self.prompt_mask[index].zero_()
+            self.prompt_mask[index, torch.tensor(seq.prompt, device=self.device)] = True
+            self.output_counts[index].zero_()
+
+    def count(self, seq: SequenceState, tokens: Sequence[int]) -> None:
+        """Committed output tokens join the sequence's output counts (penalised sequences only)."""
+        if seq.penalised and tokens:
+            ids = torch.tensor(tokens, device=self.device)
+            self.output_counts[seq.handle.index].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def settings(self, seqs: Sequence[SequenceState]) -> SamplingBatch:
+        """The rows' sampling settings on the device, rebuilt only when the rows change: a request's
+        params and seed are fixed for its life."""
+        key = tuple(s.handle for s in seqs)
+        if self._rows != key:
+            params = [s.sampling for s in seqs]
+            self._batch = SamplingBatch.build(params, [s.sampling.seed or 0 for s in seqs], self.device)
+            self._rows = key
+        assert self._batch is not None
+        return self._batch
+
+    def draw(self, seqs: Sequence[SequenceState], run: StepRun) -> Queued:
+        """Queue one token per row from ``run``'s logits (the sampler, or the graph's argmax) and its copy
+        to the host."""
+        assert run.logits is not None
+        batch = self.settings(seqs)
+        penalised = any(s.penalised for s in seqs)
+        want_logprobs = any(s.logprobs.enabled for s in seqs)
+        top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
+        if run.greedy is not None and batch.all_greedy and not penalised and not want_logprobs:
+            result = None  # exactly the sampler's tokens then: the argmax of the raw logits
+            drawn = run.greedy
+        else:
+            fields = run.step.fields()
+            index = fields.sequence_index
+            result = sample(
+                run.logits,
+                batch,
+                # the counter of a draw is the absolute position of the sampled token: the row's context
+                # length after the step (frontier + consumed), already on the device with the step's inputs
+                fields.context_lens,
+                prompt_mask=self.prompt_mask[index] if penalised else None,
+                output_counts=self.output_counts[index] if penalised else None,
+                num_logprobs=top_n,
+                with_logprob=want_logprobs,
+            )
+            drawn = result.tokens
+        return Queued.copy_back(drawn, result, want_logprobs, top_n > 0)  # log-probs: only by the sampler
+
+    def verify(
+        self, seqs: Sequence[SequenceState], run: StepRun, drafts: Sequence[Sequence[int]]
+    ) -> QueuedVerify:
+        """Queue the exact acceptance of each row's deterministic drafts over a verify step's logits (T =
+        len(drafts[r]) + 1 tokens per row, `ninfer.ops.speculative.verify_drafts`) and the copies back."""
+        assert run.logits is not None
+        batch = self.settings(seqs)
+        tokens_per_row = len(drafts[0]) + 1
+        penalised = any(s.penalised for s in seqs)
+        want_logprobs = any(s.logprobs.enabled for s in seqs)
+        top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
+        fields = run.step.fields()
+        index = fields.sequence_index
+        draft_ids = torch.tensor([list(d) for d in drafts], dtype=torch.long)
+        if self.device.type == "cuda":
+            draft_ids = draft_ids.pin_memory()
+        draft_ids = draft_ids.to(self.device, non_blocking=True)
+        result = verify_drafts(
+            run.logits,
+            draft_ids.view(len(seqs), tokens_per_row - 1),
+            batch,
+            fields.context_lens - (tokens_per_row - 1),  # each row's first produced position: frontier + 1
+            prompt_mask=self.prompt_mask[index] if penalised else None,
+            output_counts=self.output_counts[index] if penalised else None,
+            num_logprobs=top_n,
+            with_logprob=want_logprobs,
+        )
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True)
+
+        queued = QueuedVerify(
+            host(result.tokens), host(result.accepted),
+            host(result.logprob) if want_logprobs else None,
+            host(result.top_ids) if top_n else None, host(result.top_logprobs) if top_n else None, None,
+        )  # fmt: skip
+        if run.logits.is_cuda:
+            queued.done = torch.cuda.Event()
+            queued.done.record()
+        return queued
+
+
+@dataclass(eq=False)
+class QueuedVerify:
+    """A verify unit's tokens at every position, accepted counts and log-probs on their way to the host."""
+
+    tokens: torch.Tensor  # [B, T] host copy
+    accepted: torch.Tensor  # [B]
+    logprob: torch.Tensor | None  # [B, T]
+    top_ids: torch.Tensor | None  # [B, T, n]
+    top_logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[list[int]], list[int], list[list[float]], list[list[list[int]]], list]:
+        if self.done is not None:
+            self.done.synchronize()
+
+        def host(t: torch.Tensor | None) -> list:
+            return t.tolist() if t is not None else []
+
+        return (
+            host(self.tokens), host(self.accepted), host(self.logprob), host(self.top_ids),
+            host(self.top_logprobs),
+        )  # fmt: skip
+
+
+def gather_rows(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """``tokens[rows]`` on the device, queued behind what computes ``tokens`` (the index goes through
+    pinned memory: a copy from pageable memory would wait for the device queue to drain)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if tokens.is_cuda:
+        index = index.pin_memory().to(tokens.device, non_blocking=True)
+    return tokens.index_select(0, index)
+
+
+def forced_logprobs(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> tuple[TokenLogprob, ...]:
+    """Raw log-probs of forced tokens: ``logits[i]`` is the model's prediction for ``tokens[i]``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(tokens, device=logits.device)
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if top_n:
+        values, top_ids = logprobs.topk(top_n, dim=-1)
+        top = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return tuple(TokenLogprob(token_id=t, logprob=c, top=a) for t, c, a in zip(tokens, chosen, top))

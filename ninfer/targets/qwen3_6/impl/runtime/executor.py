@@ -1,0 +1,108 @@
+"""`StepExecutor`: runs one step of the model over the Program's `StateStore`.
+
+Two kinds of step, one forward (`model.forward`):
+
+- **uniform**: B rows of exactly T tokens each (decode T = 1, a speculative verify T = K + 1). It replays
+  the step graph captured for ``(B, T)`` when there is one (CUDA graphs on), else runs eagerly; either
+  way it returns the logits of every token, and a graph also their argmax.
+- **ragged**: rows of any lengths (prefill chunks, forced control), always eager, with the logits the
+  caller asks for (each row's last token, every token, or none), an optional embedding splice (image
+  features at their pad positions) and hidden-state taps.
+
+Which slots a row reads and writes, and at which positions, is the caller's choice (the Program and its
+decode backend); the executor only lays the step out (`StepBuilder`) and runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ninfer.targets.qwen3_6.impl.runtime.draws import StepRun
+from ninfer.targets.qwen3_6.impl.runtime.graphs import StepGraphs
+from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
+from ninfer.targets.qwen3_6.kernels import Kernels
+from ninfer.targets.qwen3_6.model import LogitsMode, StateStore, forward
+from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.view import ModelView
+
+
+class StepExecutor:
+    def __init__(
+        self,
+        variant: Variant,
+        view: ModelView,
+        store: StateStore,
+        kernels: Kernels,
+        steps: StepBuilder,
+        *,
+        graph_shapes: Iterable[tuple[int, int]] = (),
+        scratch_slot: int = 0,
+    ) -> None:
+        """``graph_shapes``: the ``(B, T)`` uniform steps to capture as CUDA graphs (none: all eager).
+        Capture runs here, before any sequence exists: its placeholder rows read and write state slot
+        ``scratch_slot`` and KV slot 0, which no committed state depends on yet."""
+        self.variant = variant
+        self.view = view
+        self.store = store
+        self.kernels = kernels
+        self.steps = steps
+        shapes = list(graph_shapes)
+        self.graphs: StepGraphs | None = None
+        if shapes:
+            self.graphs = StepGraphs(
+                self._graph_step, shapes, store.k_pages.device, scratch_slot, kernels.argmax
+            )
+
+    def uniform(
+        self,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[int],
+        tokens_per_row: int,
+        *,
+        state_in: Sequence[int],
+        state_out: Sequence[int] | Sequence[Sequence[int]],
+        offset: int = 0,
+        fed: torch.Tensor | None = None,
+    ) -> StepRun:
+        """A step of ``tokens_per_row`` tokens for every row (`StepBuilder.uniform_values`); ``fed``: a
+        decode whose input tokens are this device tensor (the unit before's draw) in place of
+        ``tokens``. Returns the logits of every token."""
+        rows = len(seqs)
+        values = self.steps.uniform_values(
+            seqs, tokens, tokens_per_row, state_in=state_in, state_out=state_out, offset=offset
+        )
+        if self.graphs is not None and self.graphs.has(rows, tokens_per_row):
+            return StepRun(*self.graphs.run(values, rows, tokens_per_row, fed))
+        step = self.steps.to_device(self.steps.uniform_step(values, rows, tokens_per_row))
+        if fed is not None:
+            step.fields().token_ids.copy_(fed)
+        out = self._forward(step, None, "all")
+        return StepRun(out.logits, step, None, out.hidden)
+
+    def ragged(
+        self,
+        seqs: Sequence[SequenceState],
+        inputs: Sequence[Sequence[int]],
+        *,
+        state_out: Sequence[int],
+        logits: LogitsMode,
+    ) -> StepRun:
+        """Rows of any lengths at their frontiers, from their current slots, final states to
+        ``state_out`` (eager)."""
+        step = self.steps.to_device(self.steps.pack(seqs, inputs, state_out=state_out))
+        out = self._forward(step, None, logits)
+        return StepRun(out.logits, step, None, out.hidden)
+
+    def _forward(self, step: PackedStep, feed: torch.Tensor | None, logits: LogitsMode):  # noqa: ANN202
+        batch = self.steps.unpack(step, feed)
+        return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
+
+    def _graph_step(self, step: PackedStep, feed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The work a step graph captures: the packed inputs unpacked (rows with a negative token id fed
+        from ``feed``, the graph's own argmax buffer), then the forward to every token's logits."""
+        out = self._forward(step, feed, "all")
+        assert out.logits is not None
+        return out.logits, out.hidden
