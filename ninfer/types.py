@@ -71,6 +71,50 @@ def default_prefill_chunk(kernels: str) -> int:
     return 8192 if kernels == "fast" else 2048
 
 
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """A speculative decoding backend, fixed at start (`parse_speculative`).
+
+    ``method``: ``mtp`` (the checkpoint's multi-token-prediction head) or ``known`` (a benchmark backend:
+    drafts whose acceptance is scripted to ``mean_accepted`` tokens per row per verify, through the real
+    verify and commit path; its output is not the model's). ``draft_tokens``: K drafts per verify (a
+    verify step runs K + 1 tokens per row).
+    """
+
+    method: Literal["mtp", "known"]
+    draft_tokens: int
+    mean_accepted: float | None = None  # known only: mean tokens a row produces per verify (1..K+1)
+
+
+def parse_speculative(text: str | None) -> SpeculativeSpec | None:
+    """``None``, ``mtp:K`` or ``known:K@TAU`` -> a `SpeculativeSpec`; ValueError names what is wrong."""
+    if text is None:
+        return None
+    method, _, rest = text.partition(":")
+    count, _, tau = rest.partition("@")
+    if method not in ("mtp", "known") or not count.isdigit():
+        raise ValueError(
+            f"speculative must be 'mtp:K' (K = 1..{MAX_DRAFT_TOKENS}) or 'known:K@TAU', got {text!r}"
+        )
+    k = int(count)
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative draft tokens K must be 1..{MAX_DRAFT_TOKENS}, got {k}")
+    if method == "mtp":
+        if tau:
+            raise ValueError(f"mtp takes no mean accepted length (it is the model's), got {text!r}")
+        return SpeculativeSpec("mtp", k)
+    try:
+        mean = float(tau)
+    except ValueError:
+        raise ValueError(f"known:K@TAU needs the mean accepted length TAU (1..K+1), got {text!r}") from None
+    if not 1.0 <= mean <= k + 1:
+        raise ValueError(f"known:K@TAU: TAU must be in [1, {k + 1}], got {mean}")
+    return SpeculativeSpec("known", k, mean)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything fixed when an Engine starts. Invalid values raise ``ValueError`` naming the field.
@@ -94,6 +138,8 @@ class EngineConfig:
       and, when a row ends unforeseen (a stop token), one discarded step. ``None``: on for CUDA.
     - ``kernels``: the op implementations: ``auto`` (fast Triton/fla-core ops on CUDA, the reference
       ops elsewhere), ``reference`` (plain PyTorch everywhere: the oracle) or ``fast`` (CUDA only).
+    - ``speculative``: the decode backend: ``None`` (plain decoding), ``mtp:K`` or the benchmark backend
+      ``known:K@TAU`` (`parse_speculative`); fixed for the Engine's life.
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
     """
 
@@ -112,8 +158,10 @@ class EngineConfig:
     kernels: Literal["auto", "reference", "fast"] = "auto"
     score_window: int = 2048
     score_stride: int = 1024
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
+        parse_speculative(self.speculative)  # raises ValueError naming what is wrong
         if self.purpose not in ("generation", "causal_scoring"):
             raise ValueError(f"purpose must be 'generation' or 'causal_scoring', got {self.purpose!r}")
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY_LIMIT:

@@ -167,7 +167,7 @@ def engine_graphs(
         max_context=plan.max_context, device="auto", cuda_graphs=True, warmup=True,
     )  # fmt: skip
     engine = start_synthetic(package, config, seed=0).engine
-    graphs = engine.core._program.executor.graphs  # type: ignore[attr-defined]
+    graphs = engine.core.program.executor.graphs  # type: ignore[attr-defined]
     replays: dict[int, Callable[[], None]] = {}
     try:
         gen = torch.Generator().manual_seed(0)

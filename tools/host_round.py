@@ -41,7 +41,7 @@ class PhaseStamps:
 
     def __init__(self, core: Any) -> None:
         self.stamps: list[tuple[str, float]] = []
-        program = core._program
+        program = core.program
         for name in ("decode", "commit"):
             self._wrap(program, name, before=f"{name}>", after=f"<{name}")
         self._wrap(program.executor, "uniform", before="uniform>", after="<uniform")
@@ -49,10 +49,10 @@ class PhaseStamps:
         if program.executor.graphs is not None:
             self._wrap(program.executor.graphs, "run", before="replay>", after="<replay")
         # the Engine's side: its commit, the deferred publication, the next boundary and its choice
-        for name in ("_commit_unit", "_publish_committed"):
-            self._wrap(core, name, before=f"{name}>", after=f"<{name}")
-        self._wrap(core, "_boundary", before="boundary>", after=None)
-        self._wrap(core._scheduler, "next_unit", before=None, after="chosen")
+        for name in ("commit_unit", "publish_committed"):
+            self._wrap(core.committer, name, before=f"{name}>", after=f"<{name}")
+        self._wrap(core, "boundary", before="boundary>", after=None)
+        self._wrap(core.scheduler, "next_unit", before=None, after="chosen")
         original_tolist = torch.Tensor.tolist
 
         def tolist(tensor: torch.Tensor) -> Any:

@@ -94,7 +94,7 @@ class ReplayTimer:
 
         self.limit = limit  # rounds timed (the later ones run under cProfile and the tracer)
 
-        program = engine.core._program  # type: ignore[attr-defined]
+        program = engine.core.program  # type: ignore[attr-defined]
         self.graph = program.executor.graphs.graph(rows, 1)
         self.original = self.graph.replay
         self.rounds: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []

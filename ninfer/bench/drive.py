@@ -61,6 +61,7 @@ class BenchPlan:
     prefill_tokens: int
     prefill_repeats: int
     prefill_chunk: int  # EngineConfig.prefill_chunk_tokens
+    tokens_per_round: int = 1  # the most tokens a row may produce per decode round (K + 1 speculating)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -74,7 +75,8 @@ class BenchPlan:
         full rounds, and the rounds the first request may run while the other ``batch - 1`` prefill (one
         after each of their prompt chunks), plus slack."""
         chunks = math.ceil(self.context / self.prefill_chunk)
-        return 1 + (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
+        rounds = (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
+        return 1 + rounds * self.tokens_per_round
 
     @property
     def max_context(self) -> int:

@@ -20,10 +20,11 @@ class DecodeRow:
     ms_step_max: float
     floor_ms: float  # bytes_step over the measured bandwidth
     bytes_step: int
+    tokens_per_round: float = 1.0  # mean tokens a row produces per round (speculative decoding: > 1)
 
     @property
     def tok_s(self) -> float:
-        return self.batch * 1e3 / self.ms_step
+        return self.batch * self.tokens_per_round * 1e3 / self.ms_step
 
     @property
     def floor_tok_s(self) -> float:
@@ -119,6 +120,7 @@ class BenchReport:
                     "ms_step_min": round(r.ms_step_min, 4),
                     "ms_step_max": round(r.ms_step_max, 4),
                     "tok_s": round(r.tok_s, 2),
+                    "tokens_per_round": round(r.tokens_per_round, 3),
                     "floor_ms": round(r.floor_ms, 4),
                     "floor_tok_s": round(r.floor_tok_s, 2),
                     "pct_floor": round(r.pct_floor, 2),

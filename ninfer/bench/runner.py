@@ -25,7 +25,7 @@ from ninfer.targets.open import resolve_device, resolve_dtype, resolve_lookahead
 from ninfer.targets.qwen3_6.kernels import kernels_name
 from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
 from ninfer.targets.registry import get_package
-from ninfer.types import EngineConfig
+from ninfer.types import EngineConfig, parse_speculative
 
 TIMING_NOTES = (
     "decode ms/step: median gap between consecutive decode rounds of all B rows, from an EngineCore "
@@ -45,6 +45,7 @@ class BenchOptions:
     cuda_graphs: bool = True
     decode_lookahead: bool | None = None  # EngineConfig.decode_lookahead
     kernels: str = "auto"  # EngineConfig.kernels
+    speculative: str | None = None  # EngineConfig.speculative
     seed: int = 0  # random weights (synthetic) and prompt ids
     copy_bytes: int | None = None  # probe sizes (None: the device's default)
     matmul_n: int | None = None
@@ -78,6 +79,7 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         cuda_graphs=options.cuda_graphs,
         decode_lookahead=options.decode_lookahead,
         kernels=options.kernels,  # type: ignore[arg-type]
+        speculative=options.speculative,
         warmup=True,
     )
 
@@ -133,6 +135,9 @@ def build_report(
 ) -> BenchReport:
     plan, variant, dtype = options.plan, started.package.variant, started.dtype
     bandwidth = probe.bandwidth_bytes_per_s
+    spec = parse_speculative(options.speculative)
+    # the known backend's rows produce exactly its scripted mean per round; plain decoding one token
+    per_round = spec.mean_accepted if spec is not None and spec.mean_accepted is not None else 1.0
     decode = []
     for sample in m.decode:
         bytes_step = decode_step_bytes(variant, sample.batch, plan.context, dtype).total
@@ -146,6 +151,7 @@ def build_report(
                 ms_step_max=max(sample.step_s) * 1e3,
                 floor_ms=bytes_step / bandwidth * 1e3,
                 bytes_step=bytes_step,
+                tokens_per_round=per_round,
             )
         )
     flops = prefill_flops(variant, plan.prefill_tokens).total
@@ -153,6 +159,17 @@ def build_report(
     tpot_bytes = decode_step_bytes(variant, 1, plan.prefill_tokens, dtype).total
     phases = dict(started.phases_s, total=started.startup_s)
     assumptions = DECODE_ASSUMPTIONS + ((MOE_ASSUMPTION,) if variant.moe else ()) + TIMING_NOTES
+    if spec is not None:
+        assumptions += (
+            f"decode ran speculative {options.speculative}: a round is one verify of {spec.draft_tokens} "
+            f"drafts per row (B x {spec.draft_tokens + 1} tokens); tok/s counts {per_round:g} tokens per row "
+            "per round"
+            + (
+                " (the known backend's scripted acceptance: its output is not the model's)"
+                if spec.method == "known"
+                else ""
+            ),
+        )
     return BenchReport(
         package=started.package.name,
         synthetic=started.synthetic,
@@ -191,6 +208,7 @@ def build_report(
             "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
             "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
             "kernels": kernels_name(started.device, options.kernels),
+            "speculative": options.speculative,
             "seed": options.seed,
         },
         assumptions=assumptions,

@@ -84,6 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
     add_lookahead_flag(p)
     add_kernels_flag(p)
+    p.add_argument(
+        "--speculative",
+        metavar="SPEC",
+        default=None,
+        help="decode backend: mtp:K, or known:K@TAU (a benchmark backend: K drafts a verify, TAU tokens "
+        "accepted per row on average, through the real verify and commit; output text is meaningless)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -97,6 +104,14 @@ def _prefill_tokens(args: argparse.Namespace, max_positions: int) -> int:
     if cap < DEFAULT_PREFILL_TOKENS:
         print(f"ninfer: the model holds {max_positions} positions; prefill uses {cap}", file=sys.stderr)
     return max(1, min(DEFAULT_PREFILL_TOKENS, cap))
+
+
+def _tokens_per_round(speculative: str | None) -> int:
+    """The most tokens a row may produce per decode round (the bench's budgets must cover its rounds)."""
+    from ninfer.types import parse_speculative
+
+    spec = parse_speculative(speculative)
+    return 1 if spec is None else spec.draft_tokens + 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_repeats=args.prefill_repeats,
             # the Engine's own unit unless given: the plan needs it before the Engine starts
             prefill_chunk=prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels),
+            tokens_per_round=_tokens_per_round(args.speculative),
         )
         options = BenchOptions(
             plan=plan,
@@ -138,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=not args.no_cuda_graphs,
             decode_lookahead=decode_lookahead(args),
             kernels=args.kernels,
+            speculative=args.speculative,
             seed=args.seed,
         )
         report = run_bench(options, log=lambda line: print(f"ninfer bench: {line}", file=sys.stderr))

@@ -130,7 +130,10 @@ def build_program(
         raise ValueError(
             f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
         )
-    pages_per_seq = -(-max_context // config.page_size)
+    lookahead = resolve_lookahead(config.decode_lookahead, device)
+    backend = decode_backend(config, lookahead)
+    # every lane can reach max_context, plus the positions a verify writes past its last token
+    pages_per_seq = -(-(max_context + backend.extra_tokens) // config.page_size)
     program_config = ProgramConfig(
         max_concurrency=config.max_concurrency,
         max_context=max_context,
@@ -140,10 +143,29 @@ def build_program(
         dtype=dtype,
         cuda_graphs=config.cuda_graphs,
         kernels=config.kernels,
-        decode_lookahead=resolve_lookahead(config.decode_lookahead, device),
+        decode_lookahead=lookahead,
     )
-    _check_state_memory(variant, config, program_config, max_context)
-    return Qwen36Program(variant, view, program_config)
+    _check_state_memory(variant, config, program_config, max_context, backend.slots_per_sequence)
+    return Qwen36Program(variant, view, program_config, backend=backend)
+
+
+def decode_backend(config: Any, lookahead: bool) -> Any:
+    """The Program's decode backend for ``config.speculative`` (docs/engine.md, "Decode backends")."""
+    from ninfer.targets.qwen3_6.impl.runtime.backends.known import KnownContinuation, scripted_acceptance
+    from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
+    from ninfer.types import parse_speculative
+
+    spec = parse_speculative(config.speculative)
+    if spec is None:
+        return PlainDecode(lookahead=lookahead)
+    if spec.method == "known":
+        assert spec.mean_accepted is not None
+        return KnownContinuation(
+            draft_tokens=spec.draft_tokens,
+            continuation=lambda seq: (),
+            acceptance=scripted_acceptance(spec.mean_accepted),
+        )
+    raise ValueError(f"speculative {config.speculative!r}: the MTP backend is not built yet")
 
 
 def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
@@ -157,12 +179,14 @@ def state_bytes(variant: Any, num_slots: int, num_pages: int, page_size: int, dt
     return conv + rec + kv
 
 
-def _check_state_memory(variant: Any, config: Any, program: Any, max_context: int) -> None:
+def _check_state_memory(
+    variant: Any, config: Any, program: Any, max_context: int, slots_per_sequence: int
+) -> None:
     """Refuse, with the flags to change, a KV pool that cannot fit next to the weights."""
     device = program.device
     if device.type != "cuda":
         return
-    slots = program.slots_per_sequence * program.max_concurrency
+    slots = slots_per_sequence * program.max_concurrency
     need = state_bytes(variant, slots, program.kv_pages, program.page_size, program.dtype)
     free, _ = torch.cuda.mem_get_info(device)
     # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit

@@ -83,7 +83,7 @@ class OutputSession:
     @property
     def awaiting_force(self) -> bool:
         """As of the latest preview: the Engine decides the next unit from it and commits the session
-        only while that unit runs (EngineCore._publish_committed)."""
+        only while that unit runs (Committer.publish_committed)."""
         latest = self._latest
         if latest is not None and latest.base is self.state:  # previewed, commit still to come
             return latest.after.awaiting_force

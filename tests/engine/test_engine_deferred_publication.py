@@ -81,7 +81,7 @@ def test_cancel_then_failing_deferred_commit_ends_with_the_error() -> None:
     for _ in range(200):
         engine.core.step()
         session = next((s for s in frontend.sessions.values() if hasattr(s, "calls")), None)
-        waiting = [row.record.request_id for row in engine.core._unpublished]
+        waiting = [row.record.request_id for row in engine.core.committer.unpublished]
         if session is not None and session.calls["commit"] == 2 and victim._channel.request_id in waiting:
             break
     else:

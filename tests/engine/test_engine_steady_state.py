@@ -32,19 +32,19 @@ def _general_path(engine: Engine) -> None:
     """Disable the shortcuts: rebuild every decode Unit and scan for cancellations and TerminalPending
     requests at every boundary, as the worker did before they existed."""
     core: Any = engine.core
-    scheduler: Any = core._scheduler
-    choose, boundary = scheduler.next_unit, core._boundary
+    scheduler: Any = core.scheduler
+    choose, boundary = scheduler.next_unit, core.boundary
 
     def next_unit_rebuilt(laned: Any) -> Unit | None:
         scheduler._decode_round = None
         return choose(laned)
 
     def boundary_scanning_all() -> bool:
-        core._snapshot_due = core._settle_due = True
+        core.snapshot_due = core.settle_due = True
         return boundary()
 
     scheduler.next_unit = next_unit_rebuilt
-    core._boundary = boundary_scanning_all
+    core.boundary = boundary_scanning_all
 
 
 def _scenario(general: bool, frontend: Any = None) -> tuple[list[UnitTrace], list[list[Any]], list[str], int]:

@@ -149,7 +149,7 @@ def test_handle_collected_by_the_cycle_gc_inside_a_lock_does_not_deadlock(held: 
     handle = engine.submit(GenerationRequest(prompt="abc", max_tokens=20, seed=1))
     engine.core.step()
     channel = handle._channel
-    lock = engine.core._lock if held == "engine lock" else channel._lock
+    lock = engine.core.ingress.lock if held == "engine lock" else channel._lock
     gc.disable()  # the cycle must be collected inside the lock, not by an automatic collection before
     try:
         handle.cycle = handle  # type: ignore[attr-defined]  # only the cycle collector can free it now

@@ -65,7 +65,7 @@ def test_decode_graphs_match_eager(
     with _engine(artifact, False, package) as eager:
         expected = _run_all(eager)
     with _engine(artifact, True, package) as graphed:
-        program = graphed.core._program
+        program = graphed.core.program
         graphs = program.executor.graphs
         assert graphs is not None and graphs.sizes == list(range(1, 9))
         assert program.config.decode_lookahead

@@ -56,7 +56,7 @@ def run_all(engine: Engine) -> Run:
     events = [list(h) for h in handles]  # each handle's full event stream, the result last
     results = [e[-1] for e in events]
     assert all(isinstance(r, GenerationResult) for r in results)
-    program = engine.core._program  # the Program is the worker's; it is idle once every result is out
+    program = engine.core.program  # the Program is the worker's; it is idle once every result is out
     return Run(
         results=results,  # type: ignore[arg-type]
         events=events,

@@ -59,7 +59,7 @@ def run(artifact: object, name: str, lookahead: bool) -> tuple[list[Stream], dic
         for batch in (requests(name), steady_pair(name)):
             handles = [engine.submit(r) for r in batch]
             events += [list(h) for h in handles]
-        program = engine.core._program  # idle once every result is out
+        program = engine.core.program  # idle once every result is out
         assert program.usage() == engine.core.baseline
         counts = dict(program.backend.lookahead)
     # request ids differ between the two Engines only by their start; everything else must match

@@ -114,7 +114,7 @@ def test_program_infeasible_and_blocked_requests(tiny_artifact: Path) -> None:
             assert result.finish_reason == "length"
             assert result.token_ids == hf_greedy(NAME, tuple(prompt), n)
         assert engine.availability.state == "ready"
-        assert engine.core._program.usage() == engine.core.baseline
+        assert engine.core.program.usage() == engine.core.baseline
 
     # the blocked head ran only after `big` had finished (its pages were needed), never next to it
     big_units = [i for i, (_, ids) in enumerate(units) if h_big.request_id in ids]

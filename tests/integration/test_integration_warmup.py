@@ -44,14 +44,14 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Started]:
     artifact = artifact_for(request, NAME)
     warm = Engine(artifact, generation_config(2, warmup=True))
     cold = Engine(artifact, generation_config(2, warmup=False))
-    assert warm.core._program is not cold.core._program
+    assert warm.core.program is not cold.core.program
     yield Started(
         warm=warm,
         cold=cold,
         warm_units=warm.core.units_run,
         cold_units=cold.core.units_run,
-        warm_usage=warm.core._program.usage(),
-        fresh_usage=cold.core._program.usage(),
+        warm_usage=warm.core.program.usage(),
+        fresh_usage=cold.core.program.usage(),
         warm_snapshot=warm.core.snapshot(),
     )
     warm.close()
@@ -84,4 +84,4 @@ def test_outputs_equal_an_engine_without_warmup(engines: Started) -> None:
     cold_out = [cold.generate(r).token_ids for r in requests()]
     assert warm_out == cold_out
     assert warm_out[0] == hf_greedy(NAME, tuple(PROMPTS[0]), NEW_TOKENS)
-    assert warm.core._program.usage() == warm.core.baseline
+    assert warm.core.program.usage() == warm.core.baseline

@@ -469,7 +469,7 @@ def validate_decisions(pending: PendingBatch, decisions: Sequence[RowDecision]) 
 
     The Program runs it in ``commit`` before consuming the batch, so an illegal disposition leaves the
     batch open for the Engine's failure path to abort (the Engine's decisions are legal by construction,
-    see ``EngineCore._commit_unit``). It runs on every unit, so the row's name for a message is only
+    see ``Committer.commit_unit``). It runs on every unit, so the row's name for a message is only
     formed when a check fails.
     """
     rows = pending.rows

@@ -78,7 +78,7 @@ class ResponseChannel:
         # set under the lock by consumer threads; the worker reads it at its boundaries and for every row
         # of every unit, so it is a plain attribute rather than a property (a bool read needs no lock).
         # Only cancel() and abandon() may set it: they also put the worker signal without which the
-        # worker's cancellation snapshot does not look (EngineCore._snapshot_due)
+        # worker's cancellation snapshot does not look (EngineCore.snapshot_due)
         self.cancel_requested = False
         self._response_done = False
         self._consumer_released = False
@@ -223,7 +223,7 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     output_touched: bool = False  # the OutputSession has committed something (finish() may flush)
-    # a deferred OutputSession commit failed (EngineCore._publish_committed): the request ends with this
+    # a deferred OutputSession commit failed (Committer.publish_committed): the request ends with this
     # error at its next boundary or unit, as a cancelled row
     output_error: NInferError | None = None
 

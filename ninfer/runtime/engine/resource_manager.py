@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from ninfer.runtime.contract.types import (
     Blocked,
@@ -21,6 +22,8 @@ from ninfer.runtime.contract.types import (
     RunningTransaction,
 )
 from ninfer.runtime.engine.request_record import RequestRecord
+
+TerminalChoice = Literal["retain", "release"]
 
 
 class EngineInvariantError(RuntimeError):
@@ -147,13 +150,21 @@ class ResourceManager:
     def enter_terminal(self, record: RequestRecord) -> None:
         self._move(self.lane_of(record), LaneState.ACTIVE, LaneState.TERMINAL_PENDING)
 
-    def release(self, record: RequestRecord) -> ResourceResult:
-        """Terminal policy: release (retain into a checkpoint comes with the context cache)."""
-        if record.handle is None:
+    def terminal_choice(self, record: RequestRecord) -> TerminalChoice:
+        """The terminal policy: retain the finished sequence as a checkpoint, or release it. Release
+        until the context cache exists (issue: prefix and session reuse)."""
+        return "release"
+
+    def settle_terminal(self, record: RequestRecord) -> ResourceResult:
+        """The terminal resource transition of a TerminalPending request: the policy's choice, carried
+        out by the Program, its complete result adopted; the lane becomes Free."""
+        handle = record.handle
+        if handle is None:
             raise EngineInvariantError(f"request {record.request_id} has no sequence to release")
-        result = self._program.release(record.handle)
-        if result.kind != "released" or result.handle != record.handle:
-            raise EngineInvariantError(f"release returned {result.kind} for {result.handle}")
+        choice = self.terminal_choice(record)
+        result = self._program.release(handle)
+        if result.kind != "released" or result.handle != handle:
+            raise EngineInvariantError(f"the terminal {choice} returned {result.kind} for {result.handle}")
         self._adopt(result)
         self._move(self.lane_of(record), LaneState.TERMINAL_PENDING, LaneState.FREE)
         record.lane = None

@@ -29,6 +29,23 @@ Continuation = Callable[[SequenceState], Sequence[int]]
 Acceptance = Callable[[SequenceState, int], int]
 
 
+def scripted_acceptance(mean_accepted: float) -> Acceptance:
+    """Accept drafts so that each row produces ``mean_accepted`` tokens per verify on average (accepted
+    drafts + 1), spread evenly over its verifies, whatever the verify rule said."""
+    rate = mean_accepted - 1.0
+    steps: dict[SequenceHandle, int] = {}
+
+    def accept(seq: SequenceState, _accepted: int) -> int:
+        t = steps.get(seq.handle, 0)
+        steps[seq.handle] = t + 1
+        if len(steps) > 64:  # released sequences: keep the table small
+            steps.clear()
+            steps[seq.handle] = t + 1
+        return int((t + 1) * rate) - int(t * rate)
+
+    return accept
+
+
 class KnownContinuation:
     name = "known"
 
