@@ -1,7 +1,8 @@
 """The `.ninfer` artifact: one self-describing file per converted model (docs/artifact.md).
 
 `ArtifactWriter` streams a file tensor by tensor; `Artifact.open` validates and memory-maps one and
-hands out zero-copy tensor views; `check_identity` binds it to a registered package.
+hands out zero-copy tensor views. Which registered package an artifact binds to is the targets'
+question (`ninfer.targets.identity.check_identity`): this layer knows no package.
 """
 
 from ninfer.artifact.errors import (
@@ -24,7 +25,6 @@ from ninfer.artifact.format import (
     TensorDescriptor,
     TensorSpec,
 )
-from ninfer.artifact.identity import IdentityMismatchError, check_identity
 from ninfer.artifact.reader import Artifact
 from ninfer.artifact.writer import ArtifactWriter
 
@@ -40,7 +40,6 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptHeaderError",
     "DescriptorError",
-    "IdentityMismatchError",
     "MissingTensorError",
     "NotAnArtifactError",
     "ResourceDescriptor",
@@ -48,5 +47,4 @@ __all__ = [
     "TensorSpec",
     "TruncatedArtifactError",
     "UnsupportedVersionError",
-    "check_identity",
 ]

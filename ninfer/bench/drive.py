@@ -3,7 +3,7 @@
 Requests are token-id prompts of exact lengths, greedy (temperature 0), ``ignore_eos``, so every request
 produces exactly the tokens asked for. Two kinds of clocks:
 
-- Worker-side: a `UnitTimeline` installed as the EngineCore ``observer`` records the start time, kind
+- Worker-side: a `UnitTimeline` installed with ``Engine.observe_units`` records the start time, kind
   and row count of every execution unit (one list append on the worker, nothing else). A unit ends
   where the next one starts (every unit ends in a host sync: the sampled tokens are read back), so the
   gap between two consecutive decode rounds of ``B`` rows is one full decode step at ``B``, the
@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ninfer.runtime.engine.engine import Engine, GenerationHandle
-from ninfer.runtime.engine.engine_core import EngineCore
-from ninfer.runtime.engine.scheduler import Unit
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult
 
 DECODE = "decode"
@@ -44,13 +42,14 @@ class BenchError(RuntimeError):
 
 
 class UnitTimeline:
-    """EngineCore observer: appends ``(time, kind, rows)`` for every execution unit, before it runs."""
+    """Unit observer (`Engine.observe_units`): appends ``(time, kind, rows)`` for every execution unit,
+    before it runs."""
 
     def __init__(self) -> None:
         self.marks: list[Mark] = []
 
-    def __call__(self, core: EngineCore, unit: Unit) -> None:
-        self.marks.append((time.perf_counter(), unit.kind.value, len(unit.members)))
+    def __call__(self, kind: str, rows: int) -> None:
+        self.marks.append((time.perf_counter(), kind, rows))
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class EngineDriver:
         self.plan = plan
         self.prompts = prompts
         self.timeline = UnitTimeline()
-        engine.core.observer = self.timeline
+        engine.observe_units(self.timeline)
 
     def warm_up(self) -> None:
         """One untimed prefill of the measured length (allocator growth, kernel selection)."""

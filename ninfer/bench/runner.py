@@ -14,15 +14,14 @@ from ninfer.bench.drive import BenchPlan, EngineDriver, Measurements, PromptSour
 from ninfer.bench.probes import DeviceProbe, probe_device
 from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, git_commit
 from ninfer.bench.roofline import DECODE_ASSUMPTIONS, MOE_ASSUMPTION, decode_step_bytes, prefill_flops
-from ninfer.bench.startup import (
-    SYNTHETIC_STORAGE,
-    StartedEngine,
+from ninfer.bench.startup import SYNTHETIC_STORAGE, StartedEngine, start_from_artifact, start_synthetic
+from ninfer.targets.open import (
     artifact_package,
-    start_from_artifact,
-    start_synthetic,
+    resolve_device,
+    resolve_dtype,
+    resolve_kernels,
+    resolve_lookahead,
 )
-from ninfer.targets.open import resolve_device, resolve_dtype, resolve_lookahead
-from ninfer.targets.qwen3_6.kernels import kernels_name
 from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
 from ninfer.targets.registry import get_package
 from ninfer.types import EngineConfig, parse_speculative
@@ -207,7 +206,7 @@ def build_report(
             "max_context": plan.max_context,
             "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
             "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
-            "kernels": kernels_name(started.device, options.kernels),
+            "kernels": resolve_kernels(started.device, options.kernels),
             "speculative": options.speculative,
             "seed": options.seed,
         },

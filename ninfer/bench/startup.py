@@ -18,8 +18,15 @@ import torch
 
 from ninfer.cli.common import BUNDLED_PACKAGE, bundled_artifact
 from ninfer.runtime.engine.engine import Engine
-from ninfer.targets.open import build_program, load_frontend, open_target, resolve_device, resolve_dtype
-from ninfer.targets.package import STORAGE_PROFILES, Package
+from ninfer.targets.open import (
+    artifact_package,
+    build_program,
+    load_frontend,
+    open_target,
+    resolve_device,
+    resolve_dtype,
+)
+from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
 from ninfer.targets.qwen3_6.variant import SpecialTokens
 from ninfer.targets.registry import get_package
@@ -48,15 +55,6 @@ class StartedEngine:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def artifact_package(path: str) -> tuple[Package, torch.dtype]:
-    """The artifact's package and storage dtype, from its header (no weights read)."""
-    from ninfer.artifact import Artifact, check_identity
-
-    with Artifact.open(path) as artifact:
-        package = check_identity(artifact)
-        return package, getattr(torch, STORAGE_PROFILES[artifact.identity["storage_profile"]])
 
 
 def start_from_artifact(path: str, config: EngineConfig) -> StartedEngine:
@@ -104,7 +102,7 @@ def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> St
     t1 = time.perf_counter()
     frontend = synthetic_frontend(package)
     t2 = time.perf_counter()
-    program = build_program(variant, view, config, max_context, device, dtype)
+    program = build_program(package, view, config, max_context, device, dtype)
     _sync(device)
     t3 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=package.name)

@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.bench.drive import BenchError, BenchPlan
     from ninfer.bench.report import render_table
     from ninfer.bench.runner import BenchOptions, run_bench
-    from ninfer.bench.startup import artifact_package
-    from ninfer.targets.open import prefill_unit, resolve_device
+    from ninfer.targets.open import artifact_package, prefill_unit, resolve_device
     from ninfer.targets.registry import PackageMismatch, get_package
     from ninfer.types import NInferError
 

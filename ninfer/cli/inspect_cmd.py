@@ -61,9 +61,8 @@ def _group(name: str) -> str:
 
 def _report(artifact: Any) -> dict[str, Any]:
     """Everything `inspect` shows, as JSON-able data (the text view renders this)."""
-    from ninfer.artifact import check_identity
     from ninfer.artifact.format import DTYPE_NAMES
-    from ninfer.artifact.identity import IdentityMismatchError
+    from ninfer.targets.identity import IdentityMismatchError, check_identity
 
     package: dict[str, Any] = {"name": artifact.identity.get("package"), "description": None, "error": None}
     try:
@@ -113,26 +112,13 @@ def human_bytes(n: int) -> str:
 
 
 def _dims_lines(dims: dict[str, Any]) -> list[str]:
-    """Key dims, through the family Variant when the dims parse as one, else the raw top-level fields."""
-    from ninfer.targets.qwen3_6.variant import Variant
+    """Key dims in words when they parse as the family's (`describe_dims`), else the raw top-level fields."""
+    from ninfer.targets.registry import describe_dims
 
-    try:
-        v = Variant.from_dims(dims)
-    except (TypeError, ValueError, KeyError, AssertionError):
+    lines = describe_dims(dims)
+    if lines is None:
         return [", ".join(f"{k} {v}" for k, v in dims.items() if not isinstance(v, dict))]
-    mlp = (
-        f"MoE {v.num_experts}x{v.moe_intermediate_size} top-{v.num_experts_per_tok} "
-        f"+ shared {v.shared_expert_intermediate_size}"
-        if v.moe
-        else f"dense MLP {v.intermediate_size}"
-    )
-    return [
-        f"hidden {v.hidden_size}, {v.num_layers} layers ({len(v.gdn_layers)} GDN + "
-        f"{len(v.attention_layers)} attention), vocab {v.vocab_size}, {mlp}",
-        f"attention {v.num_attention_heads}q:{v.num_kv_heads}kv x {v.head_dim}, GDN "
-        f"{v.linear_num_key_heads}k:{v.linear_num_value_heads}v x {v.linear_key_head_dim}, "
-        f"MTP layers {v.mtp_num_hidden_layers}, vision {'yes' if v.vision else 'no'}",
-    ]
+    return lines
 
 
 def _print_text(r: dict[str, Any]) -> None:

@@ -120,9 +120,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer.artifact import Artifact, ArtifactError, check_identity
+    from ninfer.artifact import Artifact, ArtifactError
     from ninfer.runtime.engine.engine import Engine
     from ninfer.serve import ServeConfig, create_app, serve_forever
+    from ninfer.targets.identity import check_identity
     from ninfer.targets.open import load_frontend
 
     try:

@@ -6,6 +6,7 @@ The family (``ninfer/targets/qwen3_6``) owns every algorithm; a package names it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,17 @@ class Package:
 
     def identity(self, storage_profile: str) -> dict[str, str]:
         return {"family": self.family, "package": self.name, "storage_profile": storage_profile}
+
+    def summary_lines(self) -> list[str]:
+        """The package's architecture in words (the family's summary of its dims)."""
+        return self.variant.summary_lines()
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters in its weight schema (text, MTP and vision)."""
+        from ninfer.targets.qwen3_6.weights import weight_schema
+
+        return sum(math.prod(spec.shape) for spec in weight_schema(self.variant))
 
     def hf_config(self) -> dict[str, Any]:
         cfg = self.variant.hf_config()

@@ -19,6 +19,17 @@ PACKAGES: dict[str, Package] = {
 }
 
 
+# the family modules that open packages (`ninfer.targets.open`): a closed table, as the packages are
+FAMILY_MODULES: dict[str, str] = {"qwen3_6": "ninfer.targets.qwen3_6.open"}
+
+
+def family_module(package: Package) -> Any:
+    """The module that opens ``package``'s family (imported on first use)."""
+    import importlib
+
+    return importlib.import_module(FAMILY_MODULES[package.family])
+
+
 class PackageMismatch(ValueError):
     """An artifact or checkpoint does not match any registered package exactly."""
 
@@ -72,3 +83,11 @@ def _with_defaults(v: Variant, p: Package) -> Variant:
     d = v.dims()
     d["special"] = p.variant.dims()["special"]
     return Variant.from_dims(d)
+
+
+def describe_dims(dims: dict[str, Any]) -> list[str] | None:
+    """An artifact's stored dims in words, when they parse as the family's dims; else None."""
+    try:
+        return Variant.from_dims(dims).summary_lines()
+    except (TypeError, ValueError, KeyError, AssertionError):
+        return None

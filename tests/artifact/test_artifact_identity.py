@@ -8,14 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from ninfer.artifact import (
-    Artifact,
-    ArtifactError,
-    ArtifactWriter,
-    IdentityMismatchError,
-    TensorSpec,
-    check_identity,
-)
+from ninfer.artifact import Artifact, ArtifactError, ArtifactWriter, TensorSpec
+from ninfer.targets.identity import IdentityMismatchError, check_identity
 from ninfer.targets.registry import PackageMismatch, get_package
 
 torch.set_num_threads(1)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ninfer.artifact import Artifact, check_identity
+from ninfer.artifact import Artifact
 from ninfer.cli.common import bundled_artifact
 from ninfer.cli.main import main
+from ninfer.targets.identity import check_identity
 
 # greedy completion of "def fibonacci(n):" (raw, 48 tokens, the model's default repetition penalty 1.1)
 FIBONACCI_TOKENS = [

@@ -112,7 +112,7 @@ def test_real_configs_build_transformers_models_of_the_schema_shapes() -> None:
 def test_state_bytes_of_the_27b_match_the_reference_table() -> None:
     import torch
 
-    from ninfer.targets.open import state_bytes
+    from ninfer.targets.qwen3_6.open import state_bytes
 
     v = PACKAGES["qwen3_6_27b"].variant
     # one StateImage slot: conv 48 x 10240 x 3 x 2 B + recurrent 144 MiB fp32; KV 64 KiB per token

@@ -234,6 +234,15 @@ class Engine:
             raise RequestRejected("wrong_purpose", "a causal_scoring Engine has no generation worker")
         return self._core
 
+    def observe_units(self, observer: Callable[[str, int], None] | None) -> None:
+        """Call ``observer(kind, rows)`` on the worker just before each execution unit runs (``kind``:
+        ``prefill``, ``control`` or ``decode``; ``rows``: its requests), or stop with ``None``. It runs
+        on the worker thread between units: keep it to a few appends (the bench's clock)."""
+        core = self.core
+        core.observer = (
+            None if observer is None else (lambda _, unit: observer(unit.kind.value, len(unit.members)))
+        )
+
     # ---- generation ----
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         """Validate, prepare and enqueue a request. Raises ``RequestRejected`` at once for an invalid or

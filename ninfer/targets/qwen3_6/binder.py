@@ -77,8 +77,9 @@ def load_model(
     MTP and vision weights stay in host memory, zero-copy and as stored: no forward reads them yet, and
     on a GPU they would take ~1.6 GiB (27B) to 2.4 GiB (35B-A3B) of device memory for nothing.
     """
-    from ninfer.artifact import Artifact, check_identity  # imported here: the model does not need it
+    from ninfer.artifact import Artifact  # imported here: the model does not need it
     from ninfer.artifact.loader import load_artifact_tensors
+    from ninfer.targets.identity import check_identity
 
     device = torch.device(device)
     with Artifact.open(artifact_path, verify=False) as artifact:

@@ -748,15 +748,10 @@ def fast_kernels() -> Kernels:
 
 
 def kernels_name(device: torch.device, requested: str = "auto") -> str:
-    """Which table ``requested`` means on ``device``: ``auto`` is ``fast`` on CUDA and ``reference``
-    elsewhere; ``reference`` / ``fast`` force one (``fast`` needs CUDA)."""
-    if requested not in ("auto", "reference", "fast"):
-        raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', not {requested!r}")
-    if requested == "reference" or (requested == "auto" and device.type != "cuda"):
-        return "reference"
-    if device.type != "cuda":
-        raise ValueError("the fast kernels need a CUDA device")
-    return "fast"
+    """Which table ``requested`` means on ``device`` (`ninfer.targets.open.resolve_kernels`)."""
+    from ninfer.targets.open import resolve_kernels
+
+    return resolve_kernels(device, requested)
 
 
 def select_kernels(device: torch.device, requested: str = "auto") -> Kernels:

@@ -150,6 +150,23 @@ class Variant:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def summary_lines(self) -> list[str]:
+        """The architecture in two lines, as `ninfer packages` and `ninfer inspect` print it."""
+        mlp = (
+            f"MoE {self.num_experts}x{self.moe_intermediate_size} top-{self.num_experts_per_tok} "
+            f"+ shared {self.shared_expert_intermediate_size}"
+            if self.moe
+            else f"dense MLP {self.intermediate_size}"
+        )
+        return [
+            f"hidden {self.hidden_size}, {self.num_layers} layers ({len(self.gdn_layers)} GDN + "
+            f"{len(self.attention_layers)} attention), vocab {self.vocab_size}, {mlp}",
+            f"attention {self.num_attention_heads}q:{self.num_kv_heads}kv x {self.head_dim} "
+            f"(rotary {self.rotary_dim}), GDN {self.linear_num_key_heads}k:{self.linear_num_value_heads}v "
+            f"x {self.linear_key_head_dim}, MTP layers {self.mtp_num_hidden_layers}, "
+            f"vision {'yes' if self.vision else 'no'}",
+        ]
+
     def dims(self) -> dict[str, Any]:
         """Flat JSON-able dims, as stored in a `.ninfer` header and compared on load."""
         d = asdict(self)

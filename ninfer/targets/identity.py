@@ -1,4 +1,8 @@
-"""Bind check: an artifact loads only as the registered package its identity names, with exact dims."""
+"""Bind check: an artifact loads only as the registered package its identity names, with exact dims.
+
+The artifact layer reads the identity and dims a file declares; which package they bind to is the
+targets' decision (the closed registry), made here.
+"""
 
 from __future__ import annotations
 
