@@ -63,10 +63,10 @@ def load_frontend(artifact_path: str) -> Frontend:
 
     with Artifact.open(artifact_path) as artifact:
         package = check_identity(artifact)
-        return _frontend(artifact, package.variant.special)
+        return _frontend(artifact, package.variant.special, package.variant.vision)
 
 
-def _frontend(artifact: Any, special: Any) -> Frontend:
+def _frontend(artifact: Any, special: Any, vision: Any = None) -> Frontend:
     def resource(name: str) -> bytes | None:
         return artifact.frontend_resource(name)
 
@@ -85,6 +85,7 @@ def _frontend(artifact: Any, special: Any) -> Frontend:
             preprocessor_config=json.loads(preprocessor) if preprocessor else None,
         ),
         special,
+        vision,
     )
 
 
