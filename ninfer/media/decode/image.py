@@ -188,6 +188,7 @@ def _check_size(image: Image.Image, fmt: str, limits: DecodeLimits) -> None:
 def _to_rgb(image: Image.Image) -> np.ndarray:
     """[H, W, 3] uint8, as transformers' ``convert_to_rgb`` makes it (module docstring)."""
     from PIL import Image
+
     if image.mode in _SIXTEEN_BIT_MODES:
         grey = np.asarray(image).astype(np.int64)
         grey = (np.clip(grey, 0, 65535) * 255 + 32767) // 65535
