@@ -122,22 +122,3 @@ def test_negative_control_wrong_splice_is_caught() -> None:
         expected = hf(**hf_inputs(prompt, view.variant.special.image_pad), use_cache=False).logits[0]
     assert out.logits is not None and rel_err(out.logits, expected) > 100 * TOLERANCE
     assert tower(view, prompt).shape[0] == prompt.images[0].num_tokens
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_tower_on_cuda_matches_cpu(dtype: torch.dtype, tolerance: float) -> None:
-    view = tiny_view("qwen3_6_tiny")
-    assert view.vision is not None and view.variant.vision is not None
-    grids = [*GRIDS, (1, 32, 48)]
-    pv = pixel_values(grids, seed=3)
-    expected = vision_embeddings(view.vision, view.variant.vision, pv, grids)
-    cuda = view.to("cuda", dtype)
-    assert cuda.vision is not None
-    with torch.no_grad():
-        got = vision_embeddings(cuda.vision, view.variant.vision, pv.cuda(), grids)
-    assert got.dtype == dtype and got.device.type == "cuda"
-    err = rel_err(got, expected)
-    print(f"cuda {dtype}: rel err {err:.2e}")
-    assert err <= tolerance

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from ninfer.media.decode.sniff import SUPPORTED_FORMATS, describe_head, sniff_image_format
+from ninfer.media.decode.sniff import require_image_format
 from ninfer.media.errors import MediaError
 
 if TYPE_CHECKING:
@@ -135,13 +135,7 @@ def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits | No
     data = bytes(data)
     if not data:
         raise MediaDecodeError("empty", "the image is empty (0 bytes)")
-    fmt = sniff_image_format(data)
-    if fmt is None:
-        names = ", ".join(SUPPORTED_FORMATS)
-        raise MediaDecodeError(
-            "not_an_image",
-            f"the content is not a supported image ({names}); it starts with {describe_head(data)}",
-        )
+    fmt = require_image_format(data, MediaDecodeError)
     with warnings.catch_warnings():
         # our own size check below runs first and names the size; Pillow's error (at twice its
         # MAX_IMAGE_PIXELS) stays as the backstop for a limit set above Pillow's

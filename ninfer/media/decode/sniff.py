@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ninfer.media.errors import MediaError
+
 # Pillow format name -> MIME type of the formats NInfer decodes. TIFF, ICO, PSD, SVG and the rest are
 # refused: each added codec is attack surface, and clients send these five.
 SUPPORTED_FORMATS: dict[str, str] = {
@@ -32,3 +34,15 @@ def sniff_image_format(data: bytes) -> str | None:
 def describe_head(data: bytes, n: int = 12) -> str:
     """The first bytes, printable, for an error message (never the whole body)."""
     return repr(bytes(data[:n])) + ("..." if len(data) > n else "")
+
+
+def require_image_format(data: bytes, error: type[MediaError], what: str = "content") -> str:
+    """The sniffed format of ``data``; else ``error("not_an_image", ...)`` quoting its first bytes."""
+    fmt = sniff_image_format(data)
+    if fmt is None:
+        names = ", ".join(SUPPORTED_FORMATS)
+        raise error(
+            "not_an_image",
+            f"the {what} is not a supported image ({names}); it starts with {describe_head(data)}",
+        )
+    return fmt

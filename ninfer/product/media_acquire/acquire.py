@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ninfer.media.decode.sniff import SUPPORTED_FORMATS, describe_head, sniff_image_format
+from ninfer.media.decode.sniff import SUPPORTED_FORMATS, require_image_format
 from ninfer.product.media_acquire.data_url import read_data_url
 from ninfer.product.media_acquire.local import read_local_file
 from ninfer.product.media_acquire.policy import MediaAcquisitionError, MediaPolicy
@@ -55,11 +55,5 @@ def acquire_image(reference: str, policy: MediaPolicy) -> AcquiredMedia:
         raise MediaAcquisitionError("bad_scheme", f"image URLs with the scheme {scheme!r} are not accepted")
     else:
         data, source = read_local_file(reference, policy), "file"
-    fmt = sniff_image_format(data)
-    if fmt is None:
-        names = ", ".join(SUPPORTED_FORMATS)
-        raise MediaAcquisitionError(
-            "not_an_image",
-            f"the {source} content is not a supported image ({names}); it starts with {describe_head(data)}",
-        )
+    fmt = require_image_format(data, MediaAcquisitionError, f"{source} content")
     return AcquiredMedia(data=data, format=fmt, media_type=SUPPORTED_FORMATS[fmt], source=source)
