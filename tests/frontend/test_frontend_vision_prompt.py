@@ -185,3 +185,15 @@ def test_reference_example_positions() -> None:
     assert positions[1].tolist()[4:10] == [4, 4, 4, 5, 5, 5]
     assert positions[2].tolist()[4:10] == [4, 5, 6, 4, 5, 6]
     assert delta == -3
+
+
+def test_render_chat_shows_decoded_images_as_vision_tokens() -> None:
+    fe = frontend(SMALL_CONFIG)
+    messages = CONVERSATIONS["two in one message"]
+    text = fe.render_chat(messages)
+    assert text == fe.render_chat(placeholders(messages))
+    assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    # raw parts still render (the template decides), only prepare_chat insists on decoded images
+    assert "<|image_pad|>" in fe.render_chat(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]
+    )

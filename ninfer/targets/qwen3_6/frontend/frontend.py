@@ -117,7 +117,7 @@ class Frontend:
         if preserve_thinking is not None:
             template_kwargs["preserve_thinking"] = preserve_thinking
         return self.chat_template.render(
-            messages,
+            _split_images(messages, strict=False)[0],  # a decoded image renders as its vision tokens
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
@@ -189,9 +189,12 @@ class Frontend:
         return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids)
 
 
-def _split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[DecodedImage]]:
+def _split_images(
+    messages: Sequence[Mapping[str, Any]], strict: bool = True
+) -> tuple[list[Any], list[DecodedImage]]:
     """Messages for the template (each decoded image part replaced by ``{"type": "image"}``, which the
-    template renders as vision tokens) and the images in rendering order (message order, part order)."""
+    template renders as vision tokens) and the images in rendering order (message order, part order).
+    ``strict``: refuse video parts and image parts that are not decoded (for prompts, not renders)."""
     render: list[Any] = []
     images: list[DecodedImage] = []
     for i, message in enumerate(messages):
@@ -208,13 +211,19 @@ def _split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any], lis
                     images.append(image)
                     parts.append({"type": "image"})
                     continue
-                if kind in ("video", "video_url") or "video" in part or "video_url" in part:
-                    raise ValueError(f"messages[{i}].content[{j}]: video input is not supported")
-                if kind in ("image", "image_url") or "image" in part or "image_url" in part:
-                    raise ValueError(
-                        f"messages[{i}].content[{j}]: the image must be acquired and decoded first "
-                        "(ninfer.product.prompt_input.acquire_message_media gives a DecodedImage)"
-                    )
+                if strict:
+                    _refuse_unusable_media(part, f"messages[{i}].content[{j}]")
             parts.append(part)
         render.append({**message, "content": parts})
     return render, images
+
+
+def _refuse_unusable_media(part: Mapping[str, Any], where: str) -> None:
+    kind = part.get("type")
+    if kind in ("video", "video_url") or "video" in part or "video_url" in part:
+        raise ValueError(f"{where}: video input is not supported")
+    if kind in ("image", "image_url") or "image" in part or "image_url" in part:
+        raise ValueError(
+            f"{where}: the image must be acquired and decoded first "
+            "(ninfer.product.prompt_input.acquire_message_media gives a DecodedImage)"
+        )
