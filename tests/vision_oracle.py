@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 from unittest import mock
@@ -72,7 +73,14 @@ def hf_process(text: str, images: Sequence[Image.Image], config: Mapping[str, An
 
 
 def frontend(config: Mapping[str, Any] | None = FAMILY_DEFAULTS, template: str = "qwen3_6") -> Frontend:
-    """The real Qwen3.6 Frontend with this preprocessor config (None: no preprocessor_config.json)."""
+    """The real Qwen3.6 Frontend with this preprocessor config (None: no preprocessor_config.json).
+    Cached per (config, template): building one parses the 13 MB tokenizer; a Frontend is immutable."""
+    return _frontend(json.dumps(config, sort_keys=True), template)
+
+
+@functools.cache
+def _frontend(config_json: str, template: str) -> Frontend:
+    config = json.loads(config_json)
     resources = FrontendResources(
         tokenizer_json=tokenizer_json(),
         chat_template=chat_template(template),

@@ -45,7 +45,7 @@ def test_sizes_and_aspect_ratios_match(size: tuple[int, int]) -> None:
     check_equal(png(*size, seed=sum(size)))
 
 
-@pytest.mark.parametrize("size", [(6000, 4500), (3000, 40)])
+@pytest.mark.parametrize("size", [(3000, 2200), (3000, 40)])
 def test_huge_images_are_scaled_down_like_transformers(size: tuple[int, int]) -> None:
     t, h, w = check_equal(encode(Image.fromarray(pattern(*size)), "PNG", compress_level=1), LOW_MAX)
     assert h * w * 16 * 16 <= 1 << 20
