@@ -85,7 +85,7 @@ def synthetic_frontend(package: Package) -> Frontend:
         chat_template=chat_template(package.chat_template),
         generation_config={},
     )
-    return Frontend.from_resources(resources, package.variant.special)
+    return Frontend.from_resources(resources, package.variant.special, package.variant.vision)
 
 
 def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> StartedEngine:

@@ -87,7 +87,7 @@ def load_frontend(artifact_path: str) -> FrontendLike:
 
     with Artifact.open(artifact_path) as artifact:
         package = check_identity(artifact)
-        return family_module(package).frontend_from_artifact(artifact, package.variant.special)
+        return family_module(package).frontend_from_artifact(artifact, package.variant)
 
 
 def open_target(artifact_path: str, config: EngineConfig) -> OpenedTarget:

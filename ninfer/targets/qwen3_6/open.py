@@ -16,7 +16,7 @@ from ninfer.targets.open import OpenedTarget, prefill_unit, resolve_device, reso
 from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
 from ninfer.targets.qwen3_6.impl.runtime.backends import DecodeBackend
-from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
+from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.types import EngineConfig
 
@@ -25,8 +25,9 @@ from ninfer.types import EngineConfig
 DEFAULT_MAX_CONTEXT = 32768
 
 
-def frontend_from_artifact(artifact: Any, special: SpecialTokens) -> Frontend:
-    """The Frontend from an open artifact's resources (no weights touched)."""
+def frontend_from_artifact(artifact: Any, variant: Variant) -> Frontend:
+    """The Frontend from an open artifact's resources (no weights touched); ``variant`` gives the special
+    ids and the vision tower's dims (checked against the preprocessor's patch and merge sizes)."""
 
     def resource(name: str) -> bytes | None:
         return artifact.frontend_resource(name)
@@ -45,7 +46,8 @@ def frontend_from_artifact(artifact: Any, special: SpecialTokens) -> Frontend:
             generation_config=json.loads(generation) if generation else {},
             preprocessor_config=json.loads(preprocessor) if preprocessor else None,
         ),
-        special,
+        variant.special,
+        variant.vision,
     )
 
 
@@ -61,7 +63,7 @@ def open_artifact(
     loaded = load_model(artifact_path, device, dtype)
     view = loaded.view
     with Artifact.open(artifact_path) as artifact:
-        frontend = frontend_from_artifact(artifact, package.variant.special)
+        frontend = frontend_from_artifact(artifact, package.variant)
     variant = package.variant
     program: Program | ScoringProgram
     if config.purpose == "causal_scoring":

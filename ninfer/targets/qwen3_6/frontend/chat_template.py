@@ -113,8 +113,8 @@ def plain_template_data(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(plain_template_data(v) for v in value)
     item = getattr(value, "item", None)
-    if callable(item) and type(value).__module__ == "numpy":
-        return plain_template_data(item())
+    if callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 0:
+        return plain_template_data(item())  # a numpy scalar (an array becomes "<ndarray>" below)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain_template_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     dump = getattr(value, "model_dump", None)

@@ -9,12 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ninfer.media.decode import DecodedImage
 from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate
+from ninfer.targets.qwen3_6.frontend.mrope import mrope_positions
 from ninfer.targets.qwen3_6.frontend.output import OutputSession
 from ninfer.targets.qwen3_6.frontend.prompt import make_prepared_prompt
 from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
-from ninfer.targets.qwen3_6.frontend.types import FrontendResources, OutputOptions, PreparedPrompt
-from ninfer.targets.qwen3_6.variant import SpecialTokens
+from ninfer.targets.qwen3_6.frontend.types import (
+    FrontendResources,
+    OutputOptions,
+    PreparedImage,
+    PreparedPrompt,
+)
+from ninfer.targets.qwen3_6.frontend.vision import ImageProcessorConfig, preprocess_image
+from ninfer.targets.qwen3_6.variant import SpecialTokens, VisionDims
 
 # generation_config.json keys that are sampling defaults a request may inherit
 GENERATION_DEFAULT_KEYS = (
@@ -46,12 +54,16 @@ class Frontend:
         special: SpecialTokens,
         generation_config: Mapping[str, Any],
         preprocessor_config: Mapping[str, Any] | None = None,
+        vision: VisionDims | None = None,
     ) -> None:
+        """``preprocessor_config`` None: the family's published image preprocessing (`FAMILY_DEFAULTS`).
+        ``vision``: the package's tower dims, checked against the preprocessor's patch/merge sizes."""
         tokenizer.check_special(special)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.special = special
         self.preprocessor_config = dict(preprocessor_config) if preprocessor_config is not None else None
+        self.image_config = ImageProcessorConfig.from_json(self.preprocessor_config, vision)
         eos = list(special.eos)
         for i in _as_id_list(generation_config.get("eos_token_id")):
             if i not in eos:
@@ -63,14 +75,18 @@ class Frontend:
         }
 
     @classmethod
-    def from_resources(cls, res: FrontendResources, special: SpecialTokens) -> Frontend:
-        """Raises ValueError if the tokenizer's special-token ids differ from the package's."""
+    def from_resources(
+        cls, res: FrontendResources, special: SpecialTokens, vision: VisionDims | None = None
+    ) -> Frontend:
+        """Raises ValueError if the tokenizer's special-token ids differ from the package's, or the
+        preprocessor config is unusable (or disagrees with ``vision``)."""
         return cls(
             TextTokenizer(res.tokenizer_json),
             ChatTemplate(res.chat_template),
             special,
             res.generation_config,
             res.preprocessor_config,
+            vision,
         )
 
     @property
@@ -101,7 +117,7 @@ class Frontend:
         if preserve_thinking is not None:
             template_kwargs["preserve_thinking"] = preserve_thinking
         return self.chat_template.render(
-            messages,
+            _split_images(messages, strict=False)[0],  # a decoded image renders as its vision tokens
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
@@ -122,16 +138,48 @@ class Frontend:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> PreparedPrompt:
-        """Render (generation prompt on unless told otherwise) and encode. Raises ValueError for media
-        content: the vision preprocessor that expands image/video pads is not part of this Frontend yet."""
+        """Render (generation prompt on unless told otherwise), encode, and expand images.
+
+        Image content parts are ``{"type": "image", "image": DecodedImage}`` (what
+        ``ninfer.product.prompt_input.acquire_message_media`` makes of OpenAI ``image_url`` parts). The
+        template renders ``<|vision_start|><|image_pad|><|vision_end|>`` for each; the one pad becomes
+        t*h*w/merge^2 pads, and the prompt carries each image's pixel values, its pad span, the M-RoPE
+        positions and their decode delta. Raises ValueError for an unacquired image, video content, a
+        prompt whose text holds image/video pad tokens itself, or an image the preprocessor refuses.
+        """
         template_kwargs.setdefault("add_generation_prompt", True)
-        ids = self.encode(self.render_chat(messages, tools=tools, **template_kwargs))
-        media = {self.special.image_pad, self.special.video_pad}
-        if any(i in media for i in ids):
+        render, decoded = _split_images(messages)
+        ids = self.encode(self.render_chat(render, tools=tools, **template_kwargs))
+        pad = self.special.image_pad
+        if self.special.video_pad in ids:
+            raise ValueError("video input is not supported (the prompt holds a <|video_pad|> token)")
+        pads = [pos for pos, i in enumerate(ids) if i == pad]
+        if len(pads) != len(decoded):
             raise ValueError(
-                "image/video content needs vision preprocessing, which this Frontend does not do yet"
+                f"the rendered prompt has {len(pads)} <|image_pad|> tokens for {len(decoded)} images: "
+                "text content must not contain vision tokens"
             )
-        return make_prepared_prompt(ids, self.special, tools=tools, chat=True)
+        if not decoded:
+            return make_prepared_prompt(ids, self.special, tools=tools, chat=True)
+        merge = self.image_config.merge_size
+        expanded: list[int] = []
+        images: list[PreparedImage] = []
+        cursor = 0
+        for pos, image in zip(pads, decoded):
+            processed = preprocess_image(image, self.image_config)
+            n = processed.num_tokens(merge)
+            expanded += ids[cursor:pos]
+            images.append(
+                PreparedImage(processed.digest, processed.pixel_values, processed.grid_thw, len(expanded), n)
+            )
+            expanded += [pad] * n
+            cursor = pos + 1
+        expanded += ids[cursor:]
+        spans = [(image.token_offset, image.grid_thw) for image in images]
+        mrope = mrope_positions(len(expanded), spans, merge)
+        return make_prepared_prompt(
+            expanded, self.special, tools=tools, chat=True, images=images, mrope=mrope
+        )
 
     # ---- output -------------------------------------------------------------------------------
     def new_output_session(self, prompt: PreparedPrompt, options: OutputOptions) -> OutputSession:
@@ -139,3 +187,43 @@ class Frontend:
         from the prompt: reasoning for a chat prompt or one that opens ``<think>``, tool calls when it
         was prepared with tools."""
         return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids)
+
+
+def _split_images(
+    messages: Sequence[Mapping[str, Any]], strict: bool = True
+) -> tuple[list[Any], list[DecodedImage]]:
+    """Messages for the template (each decoded image part replaced by ``{"type": "image"}``, which the
+    template renders as vision tokens) and the images in rendering order (message order, part order).
+    ``strict``: refuse video parts and image parts that are not decoded (for prompts, not renders)."""
+    render: list[Any] = []
+    images: list[DecodedImage] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            render.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, Mapping):
+                kind = part.get("type")
+                image = part.get("image")
+                if isinstance(image, DecodedImage) and kind in (None, "image"):
+                    images.append(image)
+                    parts.append({"type": "image"})
+                    continue
+                if strict:
+                    _refuse_unusable_media(part, f"messages[{i}].content[{j}]")
+            parts.append(part)
+        render.append({**message, "content": parts})
+    return render, images
+
+
+def _refuse_unusable_media(part: Mapping[str, Any], where: str) -> None:
+    kind = part.get("type")
+    if kind in ("video", "video_url") or "video" in part or "video_url" in part:
+        raise ValueError(f"{where}: video input is not supported")
+    if kind in ("image", "image_url") or "image" in part or "image_url" in part:
+        raise ValueError(
+            f"{where}: the image must be acquired and decoded first "
+            "(ninfer.product.prompt_input.acquire_message_media gives a DecodedImage)"
+        )

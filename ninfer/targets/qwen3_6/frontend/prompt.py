@@ -7,7 +7,9 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ninfer.targets.qwen3_6.frontend.types import PreparedPrompt
+import numpy as np
+
+from ninfer.targets.qwen3_6.frontend.types import PreparedImage, PreparedPrompt
 from ninfer.targets.qwen3_6.variant import SpecialTokens
 
 _DIGEST_DOMAIN = b"ninfer.qwen3_6.prompt.v1\0"
@@ -55,12 +57,20 @@ def make_prepared_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     media: Sequence[bytes] = (),
     chat: bool = False,
+    images: Sequence[PreparedImage] = (),
+    mrope: tuple[np.ndarray, int] | None = None,
 ) -> PreparedPrompt:
+    """``images``' digests join ``media`` in the content identity; ``mrope`` is (positions, delta)."""
     ids = tuple(int(i) for i in token_ids)
+    media = [*media, *(bytes.fromhex(image.digest) for image in images)]
+    positions, delta = mrope if mrope is not None else (None, 0)
     return PreparedPrompt(
         token_ids=ids,
         digest=prompt_digest(ids, media),
         opens_thinking=prompt_opens_thinking(ids, special),
         tools=tuple(copy.deepcopy(dict(t)) for t in tools) if tools else None,
         chat=chat,
+        images=tuple(images),
+        mrope_positions=positions,
+        mrope_delta=delta,
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # the one OutputOptions value (the Engine builds it; the output session reads it)
 from ninfer.runtime.contract.frontend import OutputOptions as OutputOptions
 
@@ -22,6 +24,41 @@ class FrontendResources:
     preprocessor_config: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedImage:
+    """One image of a prompt, preprocessed for the vision tower.
+
+    ``pixel_values`` [t*h*w, 3*temporal*patch*patch] float32, read-only, in the processor's row order
+    (2 x 2 merge blocks, then rows/columns inside a block); ``grid_thw`` (t, h, w) in patches;
+    ``token_offset`` is the index in ``PreparedPrompt.token_ids`` of the image's first ``<|image_pad|>``
+    and ``num_tokens`` (t*h*w / merge^2) how many consecutive pads it fills: the tower's output rows for
+    this image go to ``token_ids[token_offset : token_offset + num_tokens]``, in order. ``digest`` is the
+    identity of (decoded pixels, preprocessing parameters). Equality compares everything but the array
+    (which the digest stands for).
+    """
+
+    digest: str
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+    token_offset: int
+    num_tokens: int
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.digest, self.grid_thw, self.token_offset, self.num_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PreparedImage) and other._key() == self._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"PreparedImage(grid_thw={self.grid_thw}, token_offset={self.token_offset}, "
+            f"num_tokens={self.num_tokens}, digest={self.digest[:12]})"
+        )
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
     """A prompt ready for the Engine.
@@ -30,6 +67,12 @@ class PreparedPrompt:
     ``opens_thinking`` is True when the prompt ends inside an open ``<think>`` block, so the first output
     tokens belong to the reasoning channel. ``tools`` are the tool definitions the prompt was rendered with
     (the output session types tool-call arguments by their JSON schemas).
+
+    Vision: ``images`` in prompt order (their pads are in ``token_ids``); ``mrope_positions`` the
+    [3, len(token_ids)] int64 T/H/W positions (read-only), None for a prompt without images, whose
+    positions are 0..L-1 on every axis; ``mrope_delta``: a token at cache position ``n`` past the prompt
+    (decode) has position ``n + mrope_delta`` on all three axes (0 without images). The positions are a
+    function of the ids and the grids, so equality does not compare the array.
     """
 
     token_ids: tuple[int, ...]
@@ -37,6 +80,14 @@ class PreparedPrompt:
     opens_thinking: bool = False
     tools: tuple[dict[str, Any], ...] | None = None
     chat: bool = False  # rendered from messages by the chat template (output has a reasoning channel)
+    images: tuple[PreparedImage, ...] = ()
+    mrope_positions: np.ndarray | None = field(default=None, compare=False, repr=False)
+    mrope_delta: int = 0
+
+    @property
+    def image_tokens(self) -> int:
+        """Prompt tokens that are image pads (they count in ``prompt_tokens``)."""
+        return sum(image.num_tokens for image in self.images)
 
 
 @dataclass(frozen=True)

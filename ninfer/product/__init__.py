@@ -1,0 +1,1 @@
+"""Product-layer helpers shared by the gateways (CLI, HTTP): media acquisition and prompt input."""
