@@ -140,6 +140,8 @@ class EngineConfig:
       ops elsewhere), ``reference`` (plain PyTorch everywhere: the oracle) or ``fast`` (CUDA only).
     - ``speculative``: the decode backend: ``None`` (plain decoding), ``mtp:K`` or the benchmark backend
       ``known:K@TAU`` (`parse_speculative`); fixed for the Engine's life.
+    - ``max_image_tokens``: image pad tokens one request may carry (a 1024 x 1024 image is 1,024); the
+      vision tower's working memory is reserved for this many at start, a larger request is rejected.
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
     """
 
@@ -159,9 +161,12 @@ class EngineConfig:
     score_window: int = 2048
     score_stride: int = 1024
     speculative: str | None = None
+    max_image_tokens: int = 16384
 
     def __post_init__(self) -> None:
         parse_speculative(self.speculative)  # raises ValueError naming what is wrong
+        if self.max_image_tokens < 0:
+            raise ValueError(f"max_image_tokens must be >= 0, got {self.max_image_tokens}")
         if self.purpose not in ("generation", "causal_scoring"):
             raise ValueError(f"purpose must be 'generation' or 'causal_scoring', got {self.purpose!r}")
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY_LIMIT:

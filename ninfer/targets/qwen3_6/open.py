@@ -110,6 +110,7 @@ def build_program(
         cuda_graphs=config.cuda_graphs,
         kernels=config.kernels,
         decode_lookahead=lookahead,
+        max_image_tokens=config.max_image_tokens if variant.vision is not None else 0,
     )
     _check_state_memory(variant, config, program_config, max_context, backend.slots_per_sequence)
     return Qwen36Program(variant, view, program_config, backend=backend)
@@ -155,9 +156,10 @@ def _check_state_memory(
     slots = slots_per_sequence * program.max_concurrency
     need = state_bytes(variant, slots, program.kv_pages, program.page_size, program.dtype)
     free, _ = torch.cuda.mem_get_info(device)
-    # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit
+    # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit;
+    # the vision tower's: about 32 KiB per patch (4 patches per image token) at its widest layer
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
-    headroom = 2 * 2**30 * max(1, -(-chunk // 2048))
+    headroom = 2 * 2**30 * max(1, -(-chunk // 2048)) + program.max_image_tokens * 4 * 32 * 2**10
     if need + headroom > free:
         gib = 2**30
         raise ValueError(

@@ -15,6 +15,7 @@ decode backend); the executor only lays the step out (`StepBuilder`) and runs it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from ninfer.targets.qwen3_6.impl.runtime.graphs import StepGraphs
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 from ninfer.targets.qwen3_6.kernels import Kernels
-from ninfer.targets.qwen3_6.model import LogitsMode, StateStore, forward
+from ninfer.targets.qwen3_6.model import ForwardOutput, LogitsMode, StateStore, forward
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 
@@ -89,15 +90,25 @@ class StepExecutor:
         *,
         state_out: Sequence[int],
         logits: LogitsMode,
+        splice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StepRun:
         """Rows of any lengths at their frontiers, from their current slots, final states to
-        ``state_out`` (eager)."""
+        ``state_out`` (eager). ``splice``: (token indices, embeddings) whose input embedding replaces the
+        token's (image features at their pads)."""
         step = self.steps.to_device(self.steps.pack(seqs, inputs, state_out=state_out))
-        out = self._forward(step, None, logits)
+        out = self._forward(step, None, logits, splice)
         return StepRun(out.logits, step, None, out.hidden)
 
-    def _forward(self, step: PackedStep, feed: torch.Tensor | None, logits: LogitsMode):  # noqa: ANN202
+    def _forward(
+        self,
+        step: PackedStep,
+        feed: torch.Tensor | None,
+        logits: LogitsMode,
+        splice: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
         batch = self.steps.unpack(step, feed)
+        if splice is not None:
+            batch = dataclasses.replace(batch, splice_index=splice[0], splice_embeds=splice[1])
         return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
 
     def _graph_step(self, step: PackedStep, feed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

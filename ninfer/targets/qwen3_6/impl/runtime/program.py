@@ -61,6 +61,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends import DecodeBackend, RowCommi
 from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
 from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, forced_logprobs
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
+from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_images
 from ninfer.targets.qwen3_6.impl.runtime.resources import ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
@@ -83,6 +84,7 @@ class ProgramConfig:
     cuda_graphs: bool = False  # capture the decode backend's uniform steps per exact (B, T) (CUDA only)
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
     decode_lookahead: bool = False  # the plain backend queues the next decode behind each (plain.py)
+    max_image_tokens: int = 16384  # image pad tokens one request may carry (the vision workspace's size)
 
 
 class Qwen36Program:
@@ -166,6 +168,17 @@ class Qwen36Program:
     ) -> ResourcePlan | Blocked | Infeasible:
         if len(request.prompt_token_ids) < 1:
             return Infeasible("the prompt is empty; give at least one token")
+        images = prompt_images(request.prepared_prompt)
+        if images:
+            if self.view.vision is None:
+                return Infeasible(f"the prompt has {len(images)} image(s) but this model has no vision tower")
+            tokens = sum(image.num_tokens for image in images)
+            limit = self.config.max_image_tokens
+            if tokens > limit:
+                return Infeasible(
+                    f"the prompt's images take {tokens} image tokens, more than the {limit} one request may "
+                    "carry (max_image_tokens); send fewer or smaller images"
+                )
         return self.book.plan(request, candidates)
 
     def start(self, plan: ResourcePlan) -> RunningTransaction:
@@ -188,6 +201,11 @@ class Qwen36Program:
             pages=claim.pages,
             current=claim.slots[0],
         )
+        images = prompt_images(request.prepared_prompt)
+        if images:  # the Frontend's M-RoPE positions and the decode offset after the images
+            seq.images = PromptImages(images)
+            seq.prompt_positions = request.prepared_prompt.mrope_positions  # type: ignore[union-attr]
+            seq.rope_delta = int(request.prepared_prompt.mrope_delta)  # type: ignore[union-attr]
         index = claim.handle.index
         self._block_tables[index].zero_()
         self._block_tables[index, : len(claim.pages)] = torch.tensor(claim.pages, dtype=torch.int32)
@@ -221,18 +239,19 @@ class Qwen36Program:
         if remaining < 1:
             raise ProgramInvariantError("prefill of a sequence whose prompt is already consumed")
         start = seq.frontier
+        end = start + min(remaining, budget_tokens)
+        chunk = seq.prompt[start:end]
+        splice = seq.images.splice(start, end, self.view, self.variant) if seq.images is not None else None
         if remaining > budget_tokens:
-            chunk = seq.prompt[start : start + budget_tokens]
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
-            self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none")
+            self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
             seq.frontier += len(chunk)
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
-        chunk = seq.prompt[start:]
         out = seq.spare
-        if len(chunk) == 1:  # a one-token chunk is a decode-shaped step (a graph replay where captured)
+        if len(chunk) == 1 and splice is None:  # a decode-shaped step (a graph replay where captured)
             run = self.executor.uniform([seq], chunk, 1, state_in=[seq.current], state_out=[out])
         else:
-            run = self.executor.ragged([seq], [chunk], state_out=[out], logits="last")
+            run = self.executor.ragged([seq], [chunk], state_out=[out], logits="last", splice=splice)
         rows = self.sampler.draw([seq], run).rows([seq], [RowCommit((out,), consumed=len(chunk))])
         return self._open("prefill", rows)
 

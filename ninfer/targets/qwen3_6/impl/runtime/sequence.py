@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ninfer.runtime.contract.types import LogprobParams, SamplingParams, SequenceHandle
 
@@ -33,6 +34,9 @@ class SequenceState:
     rope_delta: int = 0  # M-RoPE: a text position p after the prompt is at rotary position p + delta
     # [3][len(prompt)] rotary positions of a prompt with images (None: position p is p + rope_delta)
     prompt_positions: Sequence[Sequence[int]] | None = None
+    images: Any = (
+        None  # images.PromptImages of a prompt with images (the tower's features as prefill needs them)
+    )
 
     def spares(self, count: int, exclude: Sequence[int] = ()) -> tuple[int, ...]:
         """The first ``count`` owned slots that are neither current nor in ``exclude`` (a queued unit's
