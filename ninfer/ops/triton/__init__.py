@@ -19,6 +19,8 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - argmax: `argmax_rows`, the greedy draw over the vocabulary at the end of a decode graph.
 - step_unpack: `unpack_step`, `StepBuilder.unpack`'s casts and table gather in one launch (not in the table).
 - pdl: programmatic dependent launch, the prologue of every kernel here.
+- schedule: the recorder every launch here reports to and the check of a recorded step's PDL distances
+  (`pdl.checked_schedule`).
 
 Import the submodule you need; importing this package does not import triton.
 """

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["argmax_rows"]
 
@@ -89,6 +89,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     num_blocks = triton.cdiv(cols, block)
     values = torch.empty((rows, num_blocks), dtype=torch.float32, device=x.device)
     index = torch.empty((rows, num_blocks), dtype=torch.int32, device=x.device)
+    if schedule.recording:
+        schedule.record("argmax._argmax_blocks_kernel", writes={"values": values, "index": index})
+        schedule.record("argmax._argmax_rows_kernel", writes={"out": out})
     _argmax_blocks_kernel[(rows, num_blocks)](
         x, values, index, cols, x.stride(0), NUM_BLOCKS=num_blocks, BLOCK=block, num_warps=4,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,

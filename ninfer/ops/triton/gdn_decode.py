@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["gdn_decode_step"]
 
@@ -267,11 +267,21 @@ def gdn_decode_step(
         return o[:, 0] if squeeze_tokens else o
 
     block_k = triton.next_power_of_2(dk)
-    # 64 value columns per program from two rows (H200 graph replay, `tools.ab_step`, 2026-11-30: 35B-A3B
-    # B = 8 5.845 -> 5.824 ms, 27B unchanged), 32 for one row (more programs for its few heads)
+    # 64 value columns per program from two rows (faster at eight rows: docs/benchmarks.md, GDN), 32 for one
+    # row (more programs for its few heads)
     block_v = block_v or min(triton.next_power_of_2(dv), 64 if batch > 1 else 32)
     scratch = intermediate_states if intermediate_states is not None else rec_pool  # unused when not written
     grid = (batch, nv, triton.cdiv(dv, block_v))
+    if schedule.recording:
+        early = {  # before the wait when settled: the slots, the fresh flags, the state tile, the gating
+            "state_in": state_in, "state_out": None if per_position else state_out, "fresh": fresh,
+            "rec_pool": rec_pool, "A_log": A_log, "dt_bias": dt_bias,
+        }  # fmt: skip
+        states = {"intermediate_states": intermediate_states} if intermediate_states is not None else {}
+        schedule.record(
+            "gdn_decode._gdn_decode_kernel", launch_next_early=launch_next_early,
+            early_reads=early if settled else {}, writes={"o": o, **(states or {"rec_pool": rec_pool})},
+        )  # fmt: skip
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, rec_pool, state_in, state_out,
         fresh if fresh is not None else state_in, scratch, o,

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 from ninfer.ops.triton.fused_moe import (
     DECODE_MAX_PAIRS,
     FusedMoeDecodeConfig,
@@ -431,6 +431,11 @@ def routed_gate_up(
     gate = gate if gate.stride(0) == 1 else gate.contiguous()
     block_k = min(config.block_k, triton.next_power_of_2(hidden_size))
     grid = (tokens * (top_k + 1), triton.cdiv(inter_size, config.block_n * config.n_loop))
+    if schedule.recording:  # the shared expert's gate dot before the wait: x and the bound gate
+        schedule.record(
+            "moe_decode._routed_gate_up_kernel", early_reads={"x": x, "shared_expert_gate": gate},
+            writes={"hidden": hidden, "weights": weights, "ids": ids, "shared_weight": shared_weight},
+        )
     _routed_gate_up_kernel[grid](
         x, projected, gate_up, gate, hidden, weights, ids, shared_weight,
         inter_size, x.stride(0), projected.stride(0), gate_up.stride(0), gate_up.stride(1),
@@ -463,6 +468,12 @@ def _early_down_combine(
     rows = groups * per_step * down.element_size() + shared_down.element_size()  # bytes per row and column
     per_thread = rows * config.down_block_h * block_i * i_steps // (32 * config.down_warps)
     preload_groups, preload_steps = (groups, i_steps) if per_thread <= _MAX_PRELOAD_BYTES else (1, 1)
+    if schedule.recording:  # before the wait: the ranking from the logits, the experts' down rows
+        schedule.record(
+            "moe_decode._early_down_combine_kernel", launch_next_early=launch_next_early,
+            early_reads={"projected": projected, "down": down, "shared_down": shared_down},
+            writes={"out": out},
+        )  # fmt: skip
     _early_down_combine_kernel[(tokens, triton.cdiv(hidden_size, config.down_block_h))](
         projected, hidden, down, weights, out, shared_down, shared_weight,
         hidden_size, projected.stride(0), down.stride(0), down.stride(1), *weights.stride(), out.stride(0),

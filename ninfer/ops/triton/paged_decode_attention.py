@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["paged_decode_attention", "default_num_splits"]
 
@@ -305,6 +305,34 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 128))
 
 
+def _record(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+    out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, num_splits: int, *,
+    settled: bool, preload_blocks: int, launch_next_early: bool,
+) -> None:  # fmt: skip
+    """The split and merge launches for `schedule`: with ``settled`` the lengths and the table are read
+    before the wait, and with preloaded blocks every K/V position but each query's newest."""
+    early: dict[str, torch.Tensor | schedule.Part] = {}
+    if settled:
+        early = {"context_lens": context_lens, "block_table": block_table}
+        if preload_blocks > 0:
+            but_newest = schedule.KvPositions.ALL_BUT_NEWEST
+            early["k_pages"] = schedule.Part(k_pages, but_newest)
+            early["v_pages"] = schedule.Part(v_pages, but_newest)
+    split_writes = {"partial_out": partial_out, "partial_lse": partial_lse}
+    if num_splits == 1:
+        split_writes = {"out": out}
+    schedule.record(
+        "paged_decode_attention._paged_decode_kernel", launch_next_early=launch_next_early, early_reads=early,
+        writes=split_writes,
+    )
+    if num_splits > 1:
+        schedule.record(
+            "paged_decode_attention._merge_splits_kernel", launch_next_early=launch_next_early,
+            writes={"out": out},
+        )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -388,6 +416,11 @@ def paged_decode_attention(
         partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = out  # not touched by the single-split kernel
+    if schedule.recording:
+        _record(
+            k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse, num_splits,
+            settled=settled, preload_blocks=preload_blocks, launch_next_early=launch_next_early,
+        )  # fmt: skip
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse, gate,
         scale,

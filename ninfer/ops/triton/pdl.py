@@ -30,8 +30,14 @@ fast table asks for it in one-row decode only, along the chains that end in a GE
 load before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the
 attention prologue -> split-KV attention -> merge with the output gate -> o_proj; a norm -> the next
 projection; the MoE down launch -> the norm): that GEMV's weights then stream while the small kernels
-before it run. At eight rows it was 0.2 ms slower per 35B-A3B step, for a reason not established
-(docs/benchmarks.md, run 14's session).
+before it run. At eight rows it was slower, for a reason not established (docs/benchmarks.md, PDL).
+`ninfer.ops.pdl_policy` decides these flags for a step, in one place.
+
+The distances these rules rest on are checked, not trusted: every launch here reports its flags, what
+it reads before its wait and what it writes to `ninfer.ops.triton.schedule` while a schedule is being
+recorded, and `checked_schedule` (re-exported here) asserts, at the end of a recorded step (a graph
+capture, or an eager step), that no read before a wait overlaps what a kernel not yet guaranteed
+complete writes; the exact rule is that module's docstring.
 """
 
 from __future__ import annotations
@@ -41,9 +47,14 @@ import os
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton.schedule import PdlScheduleError, checked_schedule, recorded_schedule
+
 __all__ = [
     "ENABLED",
     "LAUNCH",
+    "PdlScheduleError",
+    "checked_schedule",
+    "recorded_schedule",
     "enter",
     "enter_after",
     "enter_launching_next",

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = [
     "MAX_ROWS",
@@ -590,6 +590,16 @@ def _project(
     conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # conv width 1: no conv step
                     "CONV_BLOCK": triton.next_power_of_2(conv_kernel),
                     "CONV_SETTLED": conv_settled}  # fmt: skip
+    early_steps = 0
+    if not config.use_dot:
+        # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
+        # or where a program's whole K range is that many tiles
+        steps = triton.cdiv(k_per_split, config.block_k)
+        one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
+        early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)
+        early_steps = min(_EARLY_STEPS_MAX, steps) if early else 0
+    if schedule.recording:
+        _record(config.use_dot, w, target, conv_args if conv_kernel > 1 else None, conv_settled, early_steps)
     if config.use_dot:
         _skinny_dot_kernel[grid](
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -598,12 +608,6 @@ def _project(
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
-        # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
-        # or where a program's whole K range is that many tiles
-        steps = triton.cdiv(k_per_split, config.block_k)
-        one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
-        early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)
-        early_steps = min(_EARLY_STEPS_MAX, steps) if early else 0
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             UNROLL=config.unroll, **conv_options, EARLY_STEPS=early_steps, ROUND_OUT=round_out,
@@ -613,10 +617,29 @@ def _project(
     return target
 
 
+def _record(
+    use_dot: bool, w: torch.Tensor, target: torch.Tensor, conv_args: tuple | None, conv_settled: bool,
+    early_steps: int,
+) -> None:  # fmt: skip
+    """The GEMV launch for `schedule`: before its wait it reads its first weight tiles (early_steps) and,
+    with a settled conv step, the windows' slots, fresh flags, old taps and the conv weights."""
+    early: dict[str, torch.Tensor] = {"w": w} if early_steps else {}
+    writes = {"out": target}
+    if conv_args is not None:
+        pool, conv_weight, state_in, _, fresh = conv_args[:5]
+        if conv_settled:
+            early |= {"conv_pool": pool, "conv_weight": conv_weight, "state_in": state_in, "fresh": fresh}
+        writes["conv_pool"] = pool
+    kernel = "_skinny_dot_kernel" if use_dot else "_skinny_fma_kernel"
+    schedule.record(f"skinny_gemm.{kernel}", early_reads=early, writes=writes)
+
+
 def _reduce_partials(partials: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> None:
     """out [M, N] <- the slab-order fp32 sum of partials [S, M, N], rounded to x's dtype (then out's)."""
     split_k, m, n = partials.shape
     block = min(1024, triton.next_power_of_2(n))
+    if schedule.recording:
+        schedule.record("skinny_gemm._split_k_reduce_kernel", writes={"out": out})
     _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
         partials, out, x, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block,
         ROUND_OUT=out.dtype != x.dtype, num_warps=4, USE_PDL=pdl.ENABLED, **pdl.LAUNCH,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["unpack_step"]
 
@@ -111,6 +111,12 @@ def unpack_step(
         query_start.copy_(values[3 * num_tokens :])
         return query_start, context_lens, table, fresh, token_ids
     block = min(_BLOCK, triton.next_power_of_2(max(max_pages, 1)))
+    if schedule.recording:
+        schedule.record(
+            "step_unpack._unpack_step_kernel",
+            writes={"query_start": query_start, "context_lens": context_lens, "block_table": table,
+                    "fresh": fresh, "token_ids": token_ids},
+        )  # fmt: skip
     _unpack_step_kernel[(num_rows, max(1, triton.cdiv(max_pages, block)))](
         values, block_tables, query_start, context_lens, table, fresh.view(torch.uint8), num_tokens, num_rows,
         max_pages, block_tables.stride(0), values if feed is None else feed,
