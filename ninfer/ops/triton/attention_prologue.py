@@ -207,11 +207,11 @@ def qk_norm_rope_kv_write(
     contiguous); slot_mapping [N] integer flat slots (slot s -> page s // page_size, offset s % page_size;
     distinct; a negative slot writes nothing).
 
-    Equals `kernels.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and the
-    same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
-    dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv).
-    `settled=True`: slot_mapping is complete before this kernel can launch (a step input; `pdl`), so it
-    loads before the programmatic-launch wait. `launch_next_early`: see `pdl`.
+    Equals `ninfer.ops.attention.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and
+    the same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
+    dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv). `settled=True`:
+    slot_mapping is complete before this kernel can launch (a step input; `pdl`), so it loads before the
+    programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
     n = qkv.shape[0]
     d = head_dim

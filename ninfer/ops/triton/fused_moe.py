@@ -175,17 +175,15 @@ def check_powers_of_two(config: object) -> None:
 # each streaming 2 x [8, 512] bf16 (16 KiB) per step over 4 steps; down runs 512 programs, each loading 2 x 16
 # KiB tiles (4 experts x [4, 512]); the table below overrides them at every T. Every thread issues 16-byte
 # loads (8 bf16 along H or I); if ~4 programs fit on an SM (<= 128 registers per thread), all of them run in
-# one wave with ~64 KiB per SM in flight. The H200 sweep (`python3 -m tools.kernel_bench.fused_moe --sweep`,
-# 2026-11-30, graph replay of both launches) preferred one whole-H step per gate_up program and one hidden row
-# per down program over all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3; keyed by T*K <= 16,
+# one wave with ~64 KiB per SM in flight. The H200 sweep of both launches preferred one whole-H step per
+# gate_up program and one hidden row per down program over all 8 experts at T = 1 and 2 (keyed by T*K <= 16,
 # i.e. T <= 2 at Qwen3.6's K = 8); from T = 4 the default led or tied. Re-timed inside the whole 35B-A3B
-# decode graph at T = 8 (`tools.ab_step`, 2026-11-30), the down launch's 4 hidden rows x 4 experts over 256 of
-# I per step instead of 512 (two steps, half the registers): 5.832 -> 5.751 ms (2 x 512: 5.932, 8 x 512:
-# 5.944, 8 experts a step: 6.228, 2: 5.843). At T = 1 (the early down launch, `moe_decode`), 4 hidden rows a
+# decode graph, T = 8 takes the down launch's 4 hidden rows x 4 experts over 256 of I per step instead of
+# 512 (two steps, half the registers), and T = 1 (the early down launch, `moe_decode`) 4 hidden rows a
 # program over 4 warps instead of 1 over 2 (a quarter of the programs, each with all 8 experts' rows before
-# its wait): 2.067 -> 2.008 and 2.043 -> 2.010 ms in two calls (4 x 256: 1.999, 2 x 512: 2.037 and 2.122 with
-# 4 warps, 8 x 512: 2.043, 1 x 512 with 4 warps: 2.145). The T = 1 entry also sets the two-launch `fused_moe`
-# decode path's tiles there (not timed), and block_i 256 applies from T = 3 (timed at T = 8).
+# its wait); the alternatives timed are in docs/benchmarks.md, "Why the kernels are as they are", MoE. The
+# T = 1 entry also sets the two-launch `fused_moe` decode path's tiles there (not timed), and block_i 256
+# applies from T = 3 (timed at T = 8).
 _DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
     (
         8,

@@ -13,12 +13,11 @@ in. The state lives in the pool rec [S, nv, dk, dv] fp32: row r reads slot state
 state_out[r] in place (they may be equal). One program owns one (row, value head, dv block) tile of the
 state for all T tokens, so the state makes exactly one trip through registers per step.
 
-The step is computed from the raw q and k and the old state, o = decay rq S^T q + rk rq (k . q) delta
-(rq, rk the l2norm-and-scale factors, delta = beta (v - decay rk S^T k)): the same maths as normalising
-first and reading the updated state, but its five reductions (|q|, |k|, S^T q, S^T k, k . q) are
-independent, so they overlap instead of forming a chain of three. H200 graph replay (`tools.ab_step`,
-2026-11-30): 35B-A3B B = 1 2.122 -> 2.103 ms, B = 8 5.829 -> 5.801 and 5.841 -> 5.817 (two calls). The
-results differ from the chained form by fp32 rounding only.
+The step is computed from the raw q and k and the old state, o = decay rq S^T q + rk rq (k . q) delta (rq, rk
+the l2norm-and-scale factors, delta = beta (v - decay rk S^T k)): the same maths as normalising first and
+reading the updated state, but its five reductions (|q|, |k|, S^T q, S^T k, k . q) are independent, so they
+overlap instead of forming a chain of three: measured faster at one and eight rows (docs/benchmarks.md, "Why
+the kernels are as they are", GDN). The results differ from the chained form by fp32 rounding only.
 
 Padding rows (state_in[r] < 0) are skipped: their output is written as zeros and no state is touched.
 A row with state_out[r] < 0 is computed but not persisted. Slots written by one row must not be read or

@@ -24,9 +24,9 @@ view, the last dim contiguous. The launch shape depends only on static shapes: C
 Two launch options change when the kernel reads, never what it computes (`pdl`; both off by default):
 - `settled=True`: the norm weight is a bound weight and the residual's writer finished before this
   kernel can launch (`pdl`: the residual stream of an earlier block, four launches back in the model's
-  forward), so both load before the programmatic-launch wait, while the previous kernel still runs.
-  H200 graph replay, one process (`tools.ab_step`, 2026-11-30): 35B-A3B B = 1 2.294 -> 2.253 ms, B = 8
-  5.920 -> 5.821 (the residual alone 0.05 ms of it: by then it has left L2).
+  forward), so both load before the programmatic-launch wait, while the previous kernel still runs:
+  measured faster in the decode graph at one and eight rows, the residual's share small, it having left
+  L2 by then (docs/benchmarks.md, "Why the kernels are as they are", norms).
 - `launch_next_early=True`: the next kernel may launch before this one waits (what it may read before its
   own wait: `pdl`); the fast table asks for it at one row.
 """

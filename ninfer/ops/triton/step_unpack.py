@@ -2,11 +2,12 @@
 
 `StepBuilder.unpack` (``ninfer.targets.qwen3_6.impl.runtime.step``) runs inside every captured decode graph,
 where its torch form is four small kernels in a row (``query_start.int()``, ``context_lens.int()``, the
-block-table row gather ``index_select`` and ``fresh.bool()``), about 7 us of a ~2 ms step on the H200 with
-nothing to overlap them. Here one kernel does all four: program (r, c) copies column block c of row r's
-table row (the row of sequence ``sequence_index[r]``), and the programs of column block 0 also write row
-r's query_start, context_lens and fresh entries (row 0 also query_start[B]). Same values as the torch
-expressions: int64 to int32 keeps the low 32 bits as ``.int()`` does, fresh is ``value != 0``.
+block-table row gather ``index_select`` and ``fresh.bool()``), a measurable part of a short decode step with
+nothing to overlap them (docs/benchmarks.md, "Why the kernels are as they are", small kernels). Here one
+kernel does all four: program (r, c) copies column block c of row r's table row (the row of sequence
+``sequence_index[r]``), and the programs of column block 0 also write row r's query_start, context_lens and
+fresh entries (row 0 also query_start[B]). Same values as the torch expressions: int64 to int32 keeps the low
+32 bits as ``.int()`` does, fresh is ``value != 0``.
 
 With a ``feed`` (a decode: one token per row) those programs also write row r's token id, ``feed[r]`` where
 the packed id is negative: a decode graph's next replay takes the tokens its last replay drew without a
