@@ -60,7 +60,8 @@ def test_decode_step_passes_the_schedule_check(package: str, rows: int, tokens: 
             step()  # warm outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), pdl.checked_schedule(tokens_per_row=tokens) as captured:
+        # the check outermost: it runs once the capture has ended
+        with pdl.checked_schedule(tokens_per_row=tokens) as captured, torch.cuda.graph(graph):
             step()
         graph.replay()
         torch.cuda.synchronize()
