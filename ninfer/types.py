@@ -65,8 +65,8 @@ def default_prefill_chunk(kernels: str) -> int:
 
     ``fast`` (CUDA): 8192, as vLLM's and SGLang's defaults on 80-141 GB GPUs. Each unit pays a fixed host
     cost (Python over every layer), which a 2048-token unit of Qwen3.6-35B-A3B does not cover on the H200
-    (145 ms for 2048 tokens, 139 ms for 8192). ``reference``: 2048, because its attention materialises
-    fp32 scores of [heads, unit, context] (several GB for an 8192-token unit).
+    (docs/benchmarks.md, "Why the kernels are as they are", prefill unit). ``reference``: 2048, because its
+    attention materialises fp32 scores of [heads, unit, context] (several GB for an 8192-token unit).
     """
     return 8192 if kernels == "fast" else 2048
 

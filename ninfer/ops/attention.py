@@ -4,11 +4,35 @@ Flattened-token layout: q [N, nH, D], k/v [N, nKV, D]; query head h reads kv hea
 The paged KV store is [P, page_size, nKV, D] per layer; token slot s lives at page s // page_size,
 offset s % page_size. The reference paged attention gathers a row's pages and runs dense masked
 softmax, so it is the oracle for any fast paged kernel.
+
+The attention layer's step ops, reference and fast side by side (the fast op table's entries):
+
+- `attention_prologue`: the stacked qkv projection's output -> q (normed, roped); k (normed, roped) and v
+  written into their KV slots. Fast: `ninfer.ops.triton.attention_prologue.qk_norm_rope_kv_write`, one
+  launch (about ten before).
+- `gated_decode_attention`: one query per table row over the paged K/V, then the output gate read from
+  qkv's gate columns. Fast: `ninfer.ops.triton.paged_decode_attention` (split-KV, GQA packed) with the gate
+  applied where the output is written, one launch fewer per layer.
+- `prefill_attention`: rows of any length; fast `sdpa_prefill_attention`, per row one
+  `F.scaled_dot_product_attention` (flash) over the row's gathered pages, with the row bounds from the
+  step's host copies.
+- `attention_output_gate`: o * sigmoid(gate) after a prefill attention; fast
+  `ninfer.ops.triton.attention_prologue.sigmoid_gate`, the gate read in place.
+
+The fast forms take their PDL flags from `ninfer.ops.pdl_policy`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+
+from ninfer.ops.norm import rms_norm
+from ninfer.ops.pdl_policy import pdl_policy
+from ninfer.ops.rope import apply_partial_rope
+from ninfer.ops.step import StepFacts
 
 __all__ = [
     "split_q_gate",
@@ -16,7 +40,21 @@ __all__ = [
     "kv_write",
     "paged_attention",
     "gated_attention_output",
+    "paged_decode_attention",
+    "AttentionHeads",
+    "qkv_heads",
+    "attention_prologue",
+    "fast_attention_prologue",
+    "gated_output",
+    "attention_output_gate",
+    "fast_attention_output_gate",
+    "gated_decode_attention",
+    "fast_gated_decode_attention",
+    "prefill_attention",
+    "sdpa_prefill_attention",
 ]
+
+Tensor = torch.Tensor
 
 
 def split_q_gate(q_proj_out: torch.Tensor, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,3 +174,141 @@ def paged_decode_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
     return out.reshape(b, n_heads, -1).to(q.dtype)
+
+
+# ---- the attention layer's step ops ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The head layout of a gated attention layer and its q/k norms' eps."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def qkv_heads(
+    qkv: Tensor, q_norm: Tensor, k_norm: Tensor, cos: Tensor, sin: Tensor, heads: AttentionHeads
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """qkv [N, nH*2D + 2*nKV*D] -> q [N, nH, D] (normed, roped), gate [N, nH*D], k [N, nKV, D] (normed,
+    roped), v [N, nKV, D]: the reference composition (differentiable)."""
+    n, d = qkv.shape[0], heads.head_dim
+    kv_dim = heads.num_kv_heads * d
+    q_out, k, v = qkv.split([heads.num_heads * 2 * d, kv_dim, kv_dim], -1)
+    q, gate = split_q_gate(q_out, heads.num_heads, d)
+    q = apply_partial_rope(rms_norm(q, q_norm, heads.eps), cos, sin)
+    k = apply_partial_rope(rms_norm(k.reshape(n, heads.num_kv_heads, d), k_norm, heads.eps), cos, sin)
+    return q, gate, k, v.reshape(n, heads.num_kv_heads, d)
+
+
+def attention_prologue(
+    qkv: Tensor, q_norm: Tensor, k_norm: Tensor, cos: Tensor, sin: Tensor, k_pages: Tensor, v_pages: Tensor,
+    slot_mapping: Tensor, heads: AttentionHeads,
+) -> Tensor:  # fmt: skip
+    """q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots."""
+    q, _, k, v = qkv_heads(qkv, q_norm, k_norm, cos, sin, heads)
+    kv_write(k_pages, v_pages, k, v, slot_mapping)
+    return q
+
+
+def fast_attention_prologue(
+    qkv: Tensor, q_norm: Tensor, k_norm: Tensor, cos: Tensor, sin: Tensor, k_pages: Tensor, v_pages: Tensor,
+    slot_mapping: Tensor, heads: AttentionHeads,
+) -> Tensor:  # fmt: skip
+    """`attention_prologue` in one launch; the KV slots (a step input) load before the PDL wait."""
+    from ninfer.ops.triton.attention_prologue import qk_norm_rope_kv_write
+
+    policy = pdl_policy(qkv.shape[0])
+    return qk_norm_rope_kv_write(
+        qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping,
+        num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim, eps=heads.eps,
+        settled=policy.settled, launch_next_early=policy.launch_next_early,
+    )  # fmt: skip
+
+
+def gated_output(o: Tensor, qkv: Tensor) -> Tensor:
+    """o [N, nH, D] times sigmoid of its gate columns in qkv (the interleaved q projection comes first)."""
+    _, n_heads, dim = o.shape
+    return gated_attention_output(o, split_q_gate(qkv[:, : n_heads * 2 * dim], n_heads, dim)[1])
+
+
+def attention_output_gate(o: Tensor, qkv: Tensor) -> Tensor:
+    """o * sigmoid(gate) [N, nH*D] with the gate read from qkv's q columns (after a prefill attention)."""
+    return gated_output(o, qkv)
+
+
+def fast_attention_output_gate(o: Tensor, qkv: Tensor) -> Tensor:
+    from ninfer.ops.triton.attention_prologue import sigmoid_gate
+
+    return sigmoid_gate(
+        o, qkv, num_heads=o.shape[1], head_dim=o.shape[2],
+        launch_next_early=pdl_policy(o.shape[0]).launch_next_early,
+    )  # fmt: skip
+
+
+def gated_decode_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
+    qkv: Tensor, tokens_per_row: int,
+) -> Tensor:  # fmt: skip
+    """One query per table row (row q sees its context_lens[q] positions), then the output gate read from
+    qkv -> [N, nH*D]; the step wrote the last tokens_per_row positions of each row's run of queries."""
+    return gated_output(paged_decode_attention(q, k_pages, v_pages, block_table, context_lens, scale), qkv)
+
+
+def fast_gated_decode_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
+    qkv: Tensor, tokens_per_row: int,
+) -> Tensor:  # fmt: skip
+    """The output gate applied where the attention's output is written (the merge of the split-KV
+    partials, or the single-split kernel): one dependent launch fewer per attention layer than attention
+    + `sigmoid_gate`. Its early K/V loads (`pdl_policy`'s ``settled_kv``) assume the step wrote only each
+    query's newest position, so a step of several tokens per row loads nothing before its wait."""
+    from ninfer.ops.triton.paged_decode_attention import paged_decode_attention as triton_decode_attention
+
+    policy = pdl_policy(q.shape[0], tokens_per_row)
+    o = triton_decode_attention(
+        q, k_pages, v_pages, block_table, context_lens, scale,
+        launch_next_early=policy.launch_next_early, gate_qkv=qkv, settled=policy.settled_kv,
+    )  # fmt: skip
+    return o.flatten(1)
+
+
+def prefill_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float) -> Tensor:
+    """`paged_attention` over the step's rows -> [N, nH, D]."""
+    return paged_attention(q, k_pages, v_pages, step.block_table, step.query_start, step.context_lens, scale)
+
+
+def sdpa_prefill_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float
+) -> Tensor:
+    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking.
+
+    Row bounds and lengths come from the step's host copies (no device read-back)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    page_size, n_kv = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // n_kv
+    block_table = step.block_table
+    out = torch.empty_like(q)
+    starts, lengths = step.query_bounds(), step.context_lengths()
+    for row, context_len in enumerate(lengths):
+        q_row = q[starts[row] : starts[row + 1]]
+        n_queries = q_row.shape[0]
+        if n_queries == 0:
+            continue
+        pages = block_table[row, : -(-context_len // page_size)].long()
+        k = k_pages[pages].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)  # [L, nH, D]
+        v = v_pages[pages].flatten(0, 1)[:context_len].repeat_interleave(group, dim=1)
+        mask = causal_lower_right(n_queries, context_len) if n_queries < context_len else None
+        o = F.scaled_dot_product_attention(
+            q_row.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+        out[starts[row] : starts[row + 1]] = o[0].transpose(0, 1)
+    return out

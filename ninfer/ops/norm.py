@@ -2,7 +2,13 @@
 
 Two conventions coexist in the model and a `w` vs `1 + w` mix-up is invisible at init, so each has its
 own function: `rms_norm` is the zero-centred norm used everywhere except the Gated DeltaNet output,
-which uses `gated_rms_norm` with a plain weight.
+which uses `gated_rms_norm` with a plain weight. `add_rms_norm` is the residual add and the norm after it
+(a decoder block's end).
+
+The fast forms (`fast_rms_norm`, `fast_add_rms_norm`, `fast_gated_rms_norm`: `ninfer.ops.triton.norm`, one
+pass each, the same rounding order) take their programmatic-dependent-launch flags from
+`ninfer.ops.pdl_policy`: the norm weight is bound and the residual stream was written by an earlier
+block's norm, four launches back in the model's forward, so both load before the PDL wait (``settled``).
 """
 
 from __future__ import annotations
@@ -10,7 +16,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "gated_rms_norm", "l2norm"]
+from ninfer.ops.pdl_policy import pdl_policy
+
+__all__ = [
+    "rms_norm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "l2norm",
+    "fast_rms_norm",
+    "fast_add_rms_norm",
+    "fast_gated_rms_norm",
+]
 
 
 def _rms_normalize_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +41,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     The scale is applied in fp32 before the cast (HF's `(x * w).to(dtype)` order).
     """
     return (_rms_normalize_fp32(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the residual add in the model dtype, then the norm."""
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,3 +69,34 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim (HF / FLA `l2norm`), fp32 math, cast to x's dtype."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# ---- fast forms (Triton) -----------------------------------------------------------------------------
+
+
+def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from ninfer.ops.triton.norm import rms_norm as triton_rms_norm
+
+    policy = pdl_policy(x.shape[0])
+    return triton_rms_norm(
+        x, weight, eps, settled=policy.settled, launch_next_early=policy.launch_next_early
+    )
+
+
+def fast_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm`; the residual and the weight load before the PDL wait (module docstring)."""
+    from ninfer.ops.triton.norm import add_rms_norm as triton_add_rms_norm
+
+    policy = pdl_policy(x.shape[0])
+    return triton_add_rms_norm(
+        x, residual, weight, eps, settled=policy.settled, launch_next_early=policy.launch_next_early
+    )
+
+
+def fast_gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    from ninfer.ops.triton.norm import gated_rms_norm as triton_gated_rms_norm
+
+    policy = pdl_policy(x.shape[0])
+    return triton_gated_rms_norm(x, weight, z, eps, launch_next_early=policy.launch_next_early)

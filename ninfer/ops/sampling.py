@@ -359,6 +359,12 @@ def apply_filters(
     return scaled.masked_fill(scaled < threshold.unsqueeze(1), _NEG_INF)
 
 
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy draw: ``torch.argmax(logits, -1)`` (into ``out`` where given), the first max, a NaN
+    counting as the largest (the fast form: `ninfer.ops.triton.argmax.argmax_rows`)."""
+    return torch.argmax(logits, dim=-1, out=out)
+
+
 class SampleResult(NamedTuple):
     tokens: torch.Tensor  # [B] int64
     logprob: torch.Tensor  # [B] float32, log_softmax(raw logits)[token]

@@ -1,4 +1,5 @@
-"""The fast op table's compositions (`ninfer.targets.qwen3_6.kernels`) against the reference table's.
+"""The fast op table's compositions (`ninfer.ops.norm`, `linear`, `attention`, `gdn`, `moe`, reached
+through `ninfer.targets.qwen3_6.kernels.fast_kernels()`) against the reference table's.
 
 The kernels themselves are tested one by one (tests/ops/test_triton_*.py); this checks the wiring that
 the model calls: which rows of the stacked MoE input projection are the router and which the shared
@@ -10,6 +11,7 @@ end to end on a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from types import ModuleType, SimpleNamespace
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from triton_interpreter import interpreted_kernels, max_rel_error, run_interpreter_child
 
+from ninfer.targets.qwen3_6.kernels import Kernels
 from ninfer.targets.qwen3_6.view import MoeMlpView, stacked_rows
 
 torch.set_num_threads(1)
@@ -28,8 +31,21 @@ def test_interpreter_suite_in_a_fresh_process() -> None:
 
 
 @pytest.fixture(scope="module")
-def table() -> ModuleType:
+def tables() -> ModuleType:
     return interpreted_kernels("ninfer.targets.qwen3_6.kernels")
+
+
+@pytest.fixture(scope="module")
+def table(tables: ModuleType) -> Kernels:
+    """The fast table (its Triton kernels interpreted; without fla-core, prefill keeps the reference)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tables.fast_kernels()
+
+
+@pytest.fixture(scope="module")
+def reference(tables: ModuleType) -> Kernels:
+    return tables.REFERENCE
 
 
 def _moe_view(gen: torch.Generator, experts: int, inter: int, hidden: int, shared: int) -> MoeMlpView:
@@ -52,20 +68,22 @@ def _moe_view(gen: torch.Generator, experts: int, inter: int, hidden: int, share
 
 @pytest.mark.parametrize("shared_width", [16, 24])  # equal to the expert width, and wider (sorted path)
 @pytest.mark.parametrize("tokens", [1, 3, 40])  # decode path (T*K <= 64) and sorted path
-def test_moe_block_matches_the_reference_block(table: ModuleType, tokens: int, shared_width: int) -> None:
+def test_moe_block_matches_the_reference_block(
+    table: Kernels, reference: Kernels, tokens: int, shared_width: int
+) -> None:
     gen = torch.Generator().manual_seed(tokens * 100 + shared_width)
     view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=shared_width)
     variant = SimpleNamespace(num_experts_per_tok=2)
     x = torch.randn(tokens, 24, generator=gen)
     decode = tokens * 2 <= 64
     for v in (view, replace(view, input_proj=None)):  # stacked and unstacked projections
-        want = table.REFERENCE.moe_block(v, variant, x, decode)
-        got = table._fast_moe_block(v, variant, x, decode)
+        want = reference.moe_block(v, variant, x, decode)
+        got = table.moe_block(v, variant, x, decode)
         assert not got.isnan().any()
         assert max_rel_error(got, want) < 1e-5, (tokens, shared_width, v.input_proj is not None)
 
 
-def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: ModuleType) -> None:
+def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: Kernels) -> None:
     """Swapping the shared gate and up blocks of the stack must change the fast block's output."""
     gen = torch.Generator().manual_seed(7)
     view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=16)
@@ -73,58 +91,58 @@ def test_moe_block_reads_the_shared_expert_rows_not_the_router_rows(table: Modul
     x = torch.randn(3, 24, generator=gen)
     swapped_stack = torch.cat([view.router, view.shared_up_proj, view.shared_gate_proj])
     swapped = replace(view, input_proj=swapped_stack)
-    got = table._fast_moe_block(swapped, variant, x, True)
-    assert max_rel_error(got, table._fast_moe_block(view, variant, x, True)) > 1e-3
+    got = table.moe_block(swapped, variant, x, True)
+    assert max_rel_error(got, table.moe_block(view, variant, x, True)) > 1e-3
 
 
-def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: ModuleType) -> None:
+def test_linear_takes_the_gemv_for_one_row_and_falls_back_otherwise(table: Kernels) -> None:
     gen = torch.Generator().manual_seed(3)
     for rows, n, k in ((1, 5, 24), (1, 33, 40), (3, 33, 40)):
         x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-        torch.testing.assert_close(table._fast_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(table.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     # a weight without a unit stride along K (the GEMV cannot read it) goes to F.linear
     x, w = torch.randn(1, 40, generator=gen), torch.randn(40, 33, generator=gen).t()
-    torch.testing.assert_close(table._fast_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(table.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_logits_are_the_reference_logits(table: ModuleType) -> None:
+def test_logits_are_the_reference_logits(table: Kernels, reference: Kernels) -> None:
     """One row through the GEMV's fp32 output (the fp16 result widened, not an fp32 sum), three rows
     (no tuned tile at these dims) through F.linear and the cast: both the reference's
     `F.linear(x, w).float()` in fp16, the GEMV's sum order aside."""
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 3):
         x, w = torch.randn(rows, 40, generator=gen).half(), torch.randn(33, 40, generator=gen).half()
-        got = table._fast_logits(x, w)
+        got = table.logits(x, w)
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, table._reference_logits(x, w), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got, reference.logits(x, w), rtol=2e-3, atol=2e-3)
         assert torch.equal(got, got.half().float())  # the fp16 result widened, not an fp32 sum
 
 
-def test_attention_output_gate_matches_the_reference(table: ModuleType) -> None:
+def test_attention_output_gate_matches_the_reference(table: Kernels, reference: Kernels) -> None:
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, d, n = 2, 1, 8, 3
     variant = SimpleNamespace(num_attention_heads=heads, head_dim=d, q_proj_dim=heads * 2 * d)
     qkv = torch.randn(n, heads * 2 * d + 2 * kv_heads * d, generator=gen)
     o = torch.randn(n, heads, d, generator=gen)
-    want = table.REFERENCE.attention_output_gate(o, qkv, variant)
-    torch.testing.assert_close(table._fast_attention_output_gate(o, qkv, variant), want, rtol=1e-5, atol=1e-6)
+    want = reference.attention_output_gate(o, qkv, variant)
+    torch.testing.assert_close(table.attention_output_gate(o, qkv, variant), want, rtol=1e-5, atol=1e-6)
 
 
-def test_linear_add_rms_norm_equals_the_reference_composition(table: ModuleType) -> None:
+def test_linear_add_rms_norm_equals_the_reference_composition(table: Kernels, reference: Kernels) -> None:
     """The projection (the GEMV for one row, F.linear for more) then the fused add + norm equals the
     reference composition (F.linear, then add_rms_norm)."""
     gen = torch.Generator().manual_seed(11)
     for rows, n, k in ((1, 33, 40), (1, 5, 24), (3, 33, 40)):
         act, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * k**-0.5
         residual, weight = torch.randn(rows, n, generator=gen), torch.randn(n, generator=gen) * 0.1
-        want_h, want_x = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
-        got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+        want_h, want_x = reference.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+        got_h, got_x = table.linear_add_rms_norm(act, w, residual, weight, 1e-6)
         torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 
 
 def test_linear_add_rms_norm_hands_split_partials_to_the_norm(
-    table: ModuleType, monkeypatch: pytest.MonkeyPatch
+    table: Kernels, reference: Kernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shape whose tuned GEMV splits K: the norm kernel gets the split partials (no reduce launch) and
     the residual stream equals the reduced projection + add_rms_norm bit for bit, the normed row within
@@ -144,20 +162,20 @@ def test_linear_add_rms_norm_hands_split_partials_to_the_norm(
     act, w = torch.randn(3, 40, generator=gen), torch.randn(33, 40, generator=gen) * 40**-0.5
     residual, weight = torch.randn(3, 33, generator=gen), torch.randn(33, generator=gen) * 0.1
 
-    got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    got_h, got_x = table.linear_add_rms_norm(act, w, residual, weight, 1e-6)
     want_h, want_x = norm.add_rms_norm(skinny.skinny_linear(act, w), residual, weight, 1e-6)
     skinny.default_config.cache_clear()
 
     assert slabs == [2]
     assert torch.equal(got_x, want_x)
-    ref_h, _ = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    ref_h, _ = reference.linear_add_rms_norm(act, w, residual, weight, 1e-6)
     torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_h, want_h, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_linear_add_rms_norm_reads_settled_inputs_and_launches_early_at_one_row(
-    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+    table: Kernels, reference: Kernels, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
     """The GEMV branch of linear_add_rms_norm hands the norm settled=True, and launch_next_early at one
     row only."""
@@ -174,12 +192,14 @@ def test_linear_add_rms_norm_reads_settled_inputs_and_launches_early_at_one_row(
     gen = torch.Generator().manual_seed(30 + rows)
     act, w = torch.randn(rows, 40, generator=gen), torch.randn(33, 40, generator=gen) * 40**-0.5
     residual, weight = torch.randn(rows, 33, generator=gen), torch.randn(33, generator=gen) * 0.1
-    monkeypatch.setattr(table, "_takes_skinny", lambda x, w: True)  # the GEMV branch at any row count
+    import ninfer.ops.linear as linear
 
-    got_h, got_x = table._fast_linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    monkeypatch.setattr(linear, "takes_skinny", lambda x, w: True)  # the GEMV branch at any row count
+
+    got_h, got_x = table.linear_add_rms_norm(act, w, residual, weight, 1e-6)
 
     assert seen == [{"settled": True, "launch_next_early": rows == 1}]
-    want_h, want_x = table.REFERENCE.linear_add_rms_norm(act, w, residual, weight, 1e-6)
+    want_h, want_x = reference.linear_add_rms_norm(act, w, residual, weight, 1e-6)
     torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 
@@ -193,7 +213,7 @@ def _flagged_ops() -> list[tuple[ModuleType, str]]:
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
-    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+    table: Kernels, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
     """The fast table's norms load their bound weight and the residual stream before the PDL wait
     (settled), and the norms and the attention output gate let the next kernel launch early at one row
@@ -216,10 +236,10 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
     variant = SimpleNamespace(num_attention_heads=2, head_dim=16)
 
     got = (
-        table._fast_rms_norm(x, weight, 1e-6),
-        *table._fast_add_rms_norm(x, residual, weight, 1e-6),
-        table._fast_gated_rms_norm(o, weight[:16], z, 1e-6),
-        table._fast_attention_output_gate(o, qkv, variant),
+        table.rms_norm(x, weight, 1e-6),
+        *table.add_rms_norm(x, residual, weight, 1e-6),
+        table.gated_rms_norm(o, weight[:16], z, 1e-6),
+        table.attention_output_gate(o, qkv, variant),
     )
     want = (
         plain["rms_norm"](x, weight, 1e-6),
@@ -238,12 +258,13 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("rows", "tokens_per_row"), [(1, 1), (3, 1), (3, 3)])
 def test_attention_and_moe_decode_launch_next_early_at_one_row(
-    table: ModuleType, monkeypatch: pytest.MonkeyPatch, rows: int
+    table: Kernels, reference: Kernels, monkeypatch: pytest.MonkeyPatch, rows: int, tokens_per_row: int
 ) -> None:
     """The attention prologue, the decode attention (split and merge launches) and the decode MoE block
-    (its down launch) let the next kernel launch early at one row only; the results are the plain ops'."""
+    (its down launch) let the next kernel launch early at one row only; the decode attention loads K/V
+    before its wait only with one token per row; the results are the plain ops'."""
     import ninfer.ops.triton.attention_prologue as prologue
     import ninfer.ops.triton.moe_decode as moe_decode
     import ninfer.ops.triton.paged_decode_attention as attention
@@ -255,6 +276,8 @@ def test_attention_and_moe_decode_launch_next_early_at_one_row(
 
         def spy(*args: object, _name: str = name, _plain: object = plain, **kwargs: object) -> object:
             seen.setdefault(_name, []).append(bool(kwargs.get("launch_next_early")))
+            if _name == "paged_decode_attention":
+                seen.setdefault("settled_kv", []).append(bool(kwargs.get("settled")))
             return _plain(*args, **kwargs)  # type: ignore[operator]
 
         monkeypatch.setattr(module, name, spy)
@@ -269,27 +292,30 @@ def test_attention_and_moe_decode_launch_next_early_at_one_row(
     v_pages = torch.randn(rows * pages, page, kv_heads, dim, generator=gen)
     slots = torch.tensor([r * pages * page + 5 for r in range(rows)])
     norm_w, cos, sin = torch.randn(dim, generator=gen) * 0.1, torch.ones(rows, 8), torch.zeros(rows, 8)
-    q = table._fast_attention_prologue(qkv, norm_w, norm_w, cos, sin, k_pages, v_pages, slots, variant)
+    q = table.attention_prologue(qkv, norm_w, norm_w, cos, sin, k_pages, v_pages, slots, variant)
     table_rows = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
     lens = torch.full((rows,), 6, dtype=torch.int32)
-    o = table._fast_gated_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv)
+    o = table.gated_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv, tokens_per_row)
     view = _moe_view(gen, experts=8, inter=16, hidden=24, shared=16)
     x = torch.randn(rows, 24, generator=gen)
-    moe = table._fast_moe_block(view, variant, x, True)
+    moe = table.moe_block(view, variant, x, True)
 
     early = rows == 1
     assert seen == {
-        "qk_norm_rope_kv_write": [early], "paged_decode_attention": [early], "moe_decode_block": [early]
-    }
-    want_o = table.REFERENCE.gated_decode_attention(q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv)
+        "qk_norm_rope_kv_write": [early], "paged_decode_attention": [early], "moe_decode_block": [early],
+        "settled_kv": [tokens_per_row == 1],
+    }  # fmt: skip
+    want_o = reference.gated_decode_attention(
+        q, k_pages, v_pages, table_rows, lens, dim**-0.5, qkv, tokens_per_row
+    )
     assert max_rel_error(o, want_o) < 1e-5
-    assert max_rel_error(moe, table.REFERENCE.moe_block(view, variant, x, True)) < 1e-5
+    assert max_rel_error(moe, reference.moe_block(view, variant, x, True)) < 1e-5
 
 
 @pytest.mark.parametrize("rows", [1, 3])  # one row: projection + conv kernel; 3: the conv in the GEMV
 @pytest.mark.parametrize("stacked", [True, False])
 def test_gdn_decode_matches_the_reference_step(
-    table: ModuleType, rows: int, stacked: bool, monkeypatch: pytest.MonkeyPatch
+    table: Kernels, reference: Kernels, rows: int, stacked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fast GDN decode step from the layer input (which columns of the stacked projection are the
     conv input, z, b and a; the conv step's pool update) against the reference step, both pools included;
@@ -338,15 +364,16 @@ def test_gdn_decode_matches_the_reference_step(
         linear_key_head_dim=dk, linear_value_head_dim=dv,
     )  # fmt: skip
     batch = SimpleNamespace(
-        state_in=torch.arange(rows), state_out=torch.arange(rows) + rows, fresh=torch.arange(rows) == 1
-    )
+        state_in=torch.arange(rows), state_out=torch.arange(rows) + rows, fresh=torch.arange(rows) == 1,
+        tokens_per_row=1, num_rows=rows,
+    )  # fmt: skip
     x = torch.randn(rows, hidden, generator=gen)
     conv_pool = torch.randn(slots, conv_dim, width - 1, generator=gen)
     rec_pool = torch.randn(slots, nv, dk, dv, generator=gen) * 0.1
     want_conv, want_rec = conv_pool.clone(), rec_pool.clone()
 
-    want_o, want_z = table.REFERENCE.gdn_decode(view, variant, x, want_conv, want_rec, batch)
-    got_o, got_z = table._fast_gdn_decode(view, variant, x, conv_pool, rec_pool, batch)
+    want_o, want_z = reference.gdn_decode(view, variant, x, want_conv, want_rec, batch)
+    got_o, got_z = table.gdn_decode(view, variant, x, conv_pool, rec_pool, batch)
 
     epilogue = stacked and rows > 1
     early = rows == 1

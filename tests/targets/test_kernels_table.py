@@ -1,13 +1,17 @@
 """The op tables of `ninfer.targets.qwen3_6.kernels`: selection rules, the fast prefill attention (plain
-SDPA, so it runs on CPU too) against the reference paged attention, and fla's varlen chunk table."""
+SDPA, so it runs on CPU too; `ninfer.ops.attention`) against the reference paged attention, and fla's
+varlen chunk table (`ninfer.ops.gdn`), kept per step."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from ninfer.ops.attention import paged_attention
-from ninfer.targets.qwen3_6.kernels import REFERENCE, _fla_varlen, _sdpa_prefill_attention, select_kernels
+from ninfer.ops.attention import paged_attention, sdpa_prefill_attention
+from ninfer.ops.gdn import fla_varlen
+from ninfer.targets.qwen3_6.kernels import REFERENCE, select_kernels
 from ninfer.targets.qwen3_6.model import StepBatch
 
 torch.set_num_threads(1)
@@ -45,7 +49,7 @@ def test_sdpa_prefill_attention_equals_reference(heads: int, kv_heads: int) -> N
     want = paged_attention(q, k_pages, v_pages, table, query_start, context_lens, dim**-0.5)
     for host in (False, True):  # row bounds read back from the device, or the builder's host copies
         batch = _batch(query_start, context_lens, table, host)
-        got = _sdpa_prefill_attention(q, k_pages, v_pages, batch, dim**-0.5)
+        got = sdpa_prefill_attention(q, k_pages, v_pages, batch, dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(REFERENCE.prefill_attention(q, k_pages, v_pages, batch, dim**-0.5), want)
 
@@ -69,13 +73,17 @@ def _batch(query_start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, h
 
 def test_fla_varlen_chunk_table() -> None:
     """Rows of 130, 1 and 64 tokens: 3 + 1 + 1 chunks of 64, each (row, chunk within the row); built once
-    per step (the same object for every layer of one batch, a new one for the next batch)."""
+    per step (the same object for every layer of one batch, a new one for the next batch), kept by the
+    step itself: steps of two Programs taken in turn keep their own tables, and nothing outlives a step."""
     query_start = torch.tensor([0, 130, 131, 195], dtype=torch.int32)
     context_lens = torch.tensor([130, 1, 64], dtype=torch.int32)
     batch = _batch(query_start, context_lens, torch.zeros(3, 1, dtype=torch.int32), host=True)
-    meta = _fla_varlen(batch)
+    meta = fla_varlen(batch)
     assert meta.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0]]
     assert meta.chunk_indices.dtype == torch.int32 and meta.cu_seqlens_cpu.tolist() == [0, 130, 131, 195]
-    assert _fla_varlen(batch) is meta
+    assert fla_varlen(batch) is meta
     other = _batch(query_start.clone(), context_lens, torch.zeros(3, 1, dtype=torch.int32), host=True)
-    assert _fla_varlen(other) is not meta
+    other_meta = fla_varlen(other)
+    assert other_meta is not meta
+    assert fla_varlen(batch) is meta and fla_varlen(other) is other_meta  # interleaved steps keep theirs
+    assert dataclasses.replace(batch).memo == {}  # a replaced batch is another step

@@ -10,7 +10,7 @@ state, as the model runs it:
 - `old`: the router GEMV, `moe_route_topk` (routing + shared gate), then `fused_moe` with the shared
   expert's gate/up rows as one more slot (the fallback for views without the stacked rows; the path
   before `moe_decode` ran the GEMV and the routing as one ticket-counter launch, 32.8 us at T = 1);
-- `new <tiles>`: the stacked input GEMV (`_fast_linear` over [router; shared gate; shared up]) then
+- `new <tiles>`: the stacked input GEMV (`ops.linear.fast_linear` over [router; shared gate; shared up]) then
   `moe_decode_block` with those `RoutedGateUpConfig` tiles (block_n, block_k, n_loop, warps) and the
   default down tiles.
 
@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from ninfer.ops.linear import fast_linear
 from ninfer.ops.triton.fused_moe import SharedExpert, fused_moe
 from ninfer.ops.triton.moe_decode import RoutedGateUpConfig, default_gate_up_config, moe_decode_block
 from ninfer.ops.triton.moe_routing import moe_route_topk
-from ninfer.targets.qwen3_6.kernels import _fast_linear
 from tools.kernel_bench.common import finish, graphed, time_us
 
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
@@ -79,7 +79,7 @@ def profile_launches(tokens: int, weights: dict[str, torch.Tensor]) -> None:
     from tools.profile_step import profile
 
     x = torch.randn(tokens, HIDDEN, device=DEVICE).to(BF16)
-    natural = _fast_linear(x, weights["input_proj"])
+    natural = fast_linear(x, weights["input_proj"])
     flush = torch.empty(1 << 28, dtype=torch.int8, device=DEVICE)
     for pattern in ("natural", "disjoint", "same"):
         projected = natural.clone()
@@ -130,13 +130,13 @@ def main() -> None:
         x = randn(tokens, HIDDEN, scale=1.0)
 
         def old(x: torch.Tensor = x) -> torch.Tensor:
-            logits = _fast_linear(x, input_proj[:EXPERTS])
+            logits = fast_linear(x, input_proj[:EXPERTS])
             weights, ids, shared_weight = moe_route_topk(logits, TOP_K, x=x, shared_expert_gate=shared_gate)
             shared = SharedExpert(gate_up=input_proj[EXPERTS:], down=shared_down, weight=shared_weight)
             return fused_moe(x, gate_up, down, weights, ids, shared=shared)
 
         def new(config: RoutedGateUpConfig, x: torch.Tensor = x) -> torch.Tensor:
-            projected = _fast_linear(x, input_proj)
+            projected = fast_linear(x, input_proj)
             return moe_decode_block(
                 x, projected, gate_up, down, shared_down, shared_gate, TOP_K, gate_up_config=config
             )

@@ -1,6 +1,7 @@
 """Triton fast implementations of the reference Ops (GPU; tested on CPU under TRITON_INTERPRET=1).
 
-Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels`):
+Called by the fast forms in `ninfer.ops` (`norm`, `linear`, `attention`, `gdn`, `moe`), which the fast op
+table (`ninfer.targets.qwen3_6.kernels.fast_kernels`) names:
 - gdn_decode: `gdn_decode_step`, the Gated DeltaNet recurrence for decode/verify rows, gating and q/k
   l2norm in-kernel, state read from and written to the state pool by slot index.
 - conv_update: `causal_conv1d_update_slots`, the GDN conv step over the slot pool, in place.
@@ -19,6 +20,8 @@ Selected through the fast op table (`ninfer.targets.qwen3_6.kernels.fast_kernels
 - argmax: `argmax_rows`, the greedy draw over the vocabulary at the end of a decode graph.
 - step_unpack: `unpack_step`, `StepBuilder.unpack`'s casts and table gather in one launch (not in the table).
 - pdl: programmatic dependent launch, the prologue of every kernel here.
+- schedule: the recorder every launch here reports to and the check of a recorded step's PDL distances
+  (`pdl.checked_schedule`).
 
 Import the submodule you need; importing this package does not import triton.
 """

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["swiglu"]
 
@@ -48,6 +48,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = N
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(width))
+    if schedule.recording:
+        schedule.record("activation._swiglu_kernel", writes={"out": out})
     _swiglu_kernel[(rows, triton.cdiv(width, block))](
         gate,
         up,

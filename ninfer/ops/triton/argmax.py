@@ -1,10 +1,10 @@
 """Triton row argmax over a vocabulary (the greedy draw at the end of every decode graph): two launches.
 
-`torch.argmax` over [B, 248320] fp32 logits runs one block per row on the H200: 9.4 us at B = 1 and 11.4 at
-B = 8 per call (graph replay, 2026-11-30), the last kernel of every decode step. Here the first launch
-reduces BLOCK columns per program (B x V / BLOCK programs over all SMs) to a (value, index) pair, the second
-reduces each row's pairs. Same result as torch.argmax: the first index of the row's maximum, and a NaN
-counts as larger than any number (the first NaN wins).
+`torch.argmax` over [B, 248320] fp32 logits runs one block per row, which leaves most of the H200 idle in the
+last kernel of every decode step (docs/benchmarks.md, "Why the kernels are as they are", small kernels). Here
+the first launch reduces BLOCK columns per program (B x V / BLOCK programs over all SMs) to a (value, index)
+pair, the second reduces each row's pairs. Same result as torch.argmax: the first index of the row's maximum,
+and a NaN counts as larger than any number (the first NaN wins).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["argmax_rows"]
 
@@ -89,6 +89,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     num_blocks = triton.cdiv(cols, block)
     values = torch.empty((rows, num_blocks), dtype=torch.float32, device=x.device)
     index = torch.empty((rows, num_blocks), dtype=torch.int32, device=x.device)
+    if schedule.recording:
+        schedule.record("argmax._argmax_blocks_kernel", writes={"values": values, "index": index})
+        schedule.record("argmax._argmax_rows_kernel", writes={"out": out})
     _argmax_blocks_kernel[(rows, num_blocks)](
         x, values, index, cols, x.stride(0), NUM_BLOCKS=num_blocks, BLOCK=block, num_warps=4,
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["qk_norm_rope_kv_write", "sigmoid_gate"]
 
@@ -207,11 +207,11 @@ def qk_norm_rope_kv_write(
     contiguous); slot_mapping [N] integer flat slots (slot s -> page s // page_size, offset s % page_size;
     distinct; a negative slot writes nothing).
 
-    Equals `kernels.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and the
-    same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
-    dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv).
-    `settled=True`: slot_mapping is complete before this kernel can launch (a step input; `pdl`), so it
-    loads before the programmatic-launch wait. `launch_next_early`: see `pdl`.
+    Equals `ninfer.ops.attention.qkv_heads`' q = apply_partial_rope(rms_norm(q, q_norm, eps), cos, sin) (and
+    the same for k) then `kv_write(k_pages, v_pages, k, v, slot_mapping)`. q is returned contiguous in qkv's
+    dtype; `out` may supply it. The gate columns are not touched (read them as a view of qkv). `settled=True`:
+    slot_mapping is complete before this kernel can launch (a step input; `pdl`), so it loads before the
+    programmatic-launch wait. `launch_next_early`: see `pdl`.
     """
     n = qkv.shape[0]
     d = head_dim
@@ -245,6 +245,14 @@ def qk_norm_rope_kv_write(
     if n == 0:
         return q
     block_d = triton.next_power_of_2(d)
+    if schedule.recording:
+        step_tokens = schedule.KvPositions.STEP_TOKENS  # each token's own slot
+        schedule.record(
+            "attention_prologue._qk_norm_rope_kv_write_kernel", launch_next_early=launch_next_early,
+            early_reads={"slot_mapping": slot_mapping} if settled else {},
+            writes={"q": q, "k_pages": schedule.Part(k_pages, step_tokens),
+                    "v_pages": schedule.Part(v_pages, step_tokens)},
+        )  # fmt: skip
     _qk_norm_rope_kv_write_kernel[(n, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, q,
         qkv.stride(0), cos.stride(0), sin.stride(0),
@@ -292,6 +300,9 @@ def sigmoid_gate(
     if n == 0:
         return y
     block = min(_GATE_BLOCK, triton.next_power_of_2(width))
+    if schedule.recording:
+        schedule.record("attention_prologue._sigmoid_gate_kernel", launch_next_early=launch_next_early,
+                        writes={"out": y})  # fmt: skip
     _sigmoid_gate_kernel[(n, triton.cdiv(width, block))](
         o, qkv, y, o.stride(0), o.stride(1), qkv.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=block, num_warps=max(1, min(4, block // 256)),

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["causal_conv1d_update_slots"]
 
@@ -224,6 +224,14 @@ def causal_conv1d_update_slots(
         fresh = fresh.view(torch.uint8)  # same bytes, a plain integer load in the kernel
 
     grid = (batch, triton.cdiv(channels, block_c))
+    if schedule.recording:
+        early = {"state_in": state_in, "fresh": fresh, "weight": weight}  # before the wait when settled
+        if tokens == 1:  # and the output slot and the old window
+            early |= {"state_out": state_out, "conv_pool": conv_pool}
+        schedule.record(
+            "conv_update._conv_update_kernel", launch_next_early=launch_next_early,
+            early_reads=early if settled else {}, writes={"y": y, "conv_pool": conv_pool},
+        )  # fmt: skip
     _conv_update_kernel[grid](
         x, conv_pool, weight, state_in, state_out, fresh, y,
         channels, x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),

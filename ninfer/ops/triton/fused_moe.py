@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ninfer.ops.mlp import swiglu
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = [
     "DECODE_MAX_PAIRS",
@@ -175,17 +175,15 @@ def check_powers_of_two(config: object) -> None:
 # each streaming 2 x [8, 512] bf16 (16 KiB) per step over 4 steps; down runs 512 programs, each loading 2 x 16
 # KiB tiles (4 experts x [4, 512]); the table below overrides them at every T. Every thread issues 16-byte
 # loads (8 bf16 along H or I); if ~4 programs fit on an SM (<= 128 registers per thread), all of them run in
-# one wave with ~64 KiB per SM in flight. The H200 sweep (`python3 -m tools.kernel_bench.fused_moe --sweep`,
-# 2026-11-30, graph replay of both launches) preferred one whole-H step per gate_up program and one hidden row
-# per down program over all 8 experts at T = 1 and 2 (24.6 / 39.0 us against 26.6 / 39.3; keyed by T*K <= 16,
+# one wave with ~64 KiB per SM in flight. The H200 sweep of both launches preferred one whole-H step per
+# gate_up program and one hidden row per down program over all 8 experts at T = 1 and 2 (keyed by T*K <= 16,
 # i.e. T <= 2 at Qwen3.6's K = 8); from T = 4 the default led or tied. Re-timed inside the whole 35B-A3B
-# decode graph at T = 8 (`tools.ab_step`, 2026-11-30), the down launch's 4 hidden rows x 4 experts over 256 of
-# I per step instead of 512 (two steps, half the registers): 5.832 -> 5.751 ms (2 x 512: 5.932, 8 x 512:
-# 5.944, 8 experts a step: 6.228, 2: 5.843). At T = 1 (the early down launch, `moe_decode`), 4 hidden rows a
+# decode graph, T = 8 takes the down launch's 4 hidden rows x 4 experts over 256 of I per step instead of
+# 512 (two steps, half the registers), and T = 1 (the early down launch, `moe_decode`) 4 hidden rows a
 # program over 4 warps instead of 1 over 2 (a quarter of the programs, each with all 8 experts' rows before
-# its wait): 2.067 -> 2.008 and 2.043 -> 2.010 ms in two calls (4 x 256: 1.999, 2 x 512: 2.037 and 2.122 with
-# 4 warps, 8 x 512: 2.043, 1 x 512 with 4 warps: 2.145). The T = 1 entry also sets the two-launch `fused_moe`
-# decode path's tiles there (not timed), and block_i 256 applies from T = 3 (timed at T = 8).
+# its wait); the alternatives timed are in docs/benchmarks.md, "Why the kernels are as they are", MoE. The
+# T = 1 entry also sets the two-launch `fused_moe` decode path's tiles there (not timed), and block_i 256
+# applies from T = 3 (timed at T = 8).
 _DECODE_CONFIGS: tuple[tuple[int, FusedMoeDecodeConfig], ...] = (
     (
         8,
@@ -413,7 +411,12 @@ def align_pairs_by_expert(
     num_chunks = triton.cdiv(num_pairs, chunk)
     stride_t, stride_k = expert_ids.stride()
     tables = (blocks.block_expert, blocks.block_row_start, blocks.block_row_end, blocks.num_blocks)
+    table_writes = dict(zip(("block_expert", "block_row_start", "block_row_end", "num_blocks"), tables))
     if num_chunks == 1:
+        if schedule.recording:
+            schedule.record(
+                "fused_moe._align_single_kernel", writes={"sorted_pairs": blocks.sorted_pairs, **table_writes}
+            )
         _align_single_kernel[(1,)](
             expert_ids, blocks.sorted_pairs, *tables, num_pairs, stride_t, stride_k,
             TOP_K=top_k, BLOCK_E=block_e, BLOCK_M=block_m, SUB=sub, num_warps=4,
@@ -422,6 +425,12 @@ def align_pairs_by_expert(
         return blocks
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     chunk_first_row = torch.empty_like(chunk_counts)
+    if schedule.recording:
+        schedule.record("fused_moe._align_count_kernel", writes={"chunk_counts": chunk_counts})
+        schedule.record(
+            "fused_moe._align_layout_kernel", writes={"chunk_first_row": chunk_first_row, **table_writes}
+        )
+        schedule.record("fused_moe._align_scatter_kernel", writes={"sorted_pairs": blocks.sorted_pairs})
     _align_count_kernel[(num_chunks,)](
         expert_ids, chunk_counts, num_pairs, stride_t, stride_k,
         TOP_K=top_k, BLOCK_E=block_e, CHUNK=chunk, SUB=sub, num_warps=4,
@@ -726,6 +735,8 @@ def _decode_gate_up(
     block_k = min(config.gate_up_block_k, triton.next_power_of_2(hidden_size))
     # no shared expert: its pointer and stride are placeholders the kernel never reads
     shared_gate_up = shared.gate_up if shared is not None else gate_up
+    if schedule.recording:
+        schedule.record("fused_moe._decode_gate_up_kernel", writes={"hidden": hidden})
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter_size, config.gate_up_block_n))](
         x, gate_up, expert_ids, hidden, shared_gate_up,
         inter_size, x.stride(0), gate_up.stride(0), gate_up.stride(1), *expert_ids.stride(),
@@ -756,6 +767,8 @@ def decode_down_combine(
     if not has_shared:
         shared_down, shared_weight = down, weights
     assert shared_down is not None and shared_weight is not None
+    if schedule.recording:
+        schedule.record("fused_moe._decode_down_combine_kernel", writes={"out": out})
     _decode_down_combine_kernel[(tokens, triton.cdiv(hidden_size, config.down_block_h))](
         hidden, down, expert_ids, weights, out, shared_down, shared_weight,
         hidden_size, down.stride(0), down.stride(1), *expert_ids.stride(), *weights.stride(), out.stride(0),
@@ -912,6 +925,8 @@ def _fused_moe_sorted(
     hidden = torch.empty((num_pairs, inter_size), dtype=x.dtype, device=x.device)  # sorted row order
     pair_out = torch.empty((num_pairs, hidden_size), dtype=x.dtype, device=x.device)  # pair order
     gate_up_grid = (max_blocks * triton.cdiv(inter_size, config.gate_up_block_n),)
+    if schedule.recording:
+        schedule.record("fused_moe._gate_up_kernel", writes={"hidden": hidden})
     _gate_up_kernel[gate_up_grid](
         x, gate_up, hidden, *tables, blocks.num_blocks,
         hidden_size, inter_size, max_blocks,
@@ -922,6 +937,8 @@ def _fused_moe_sorted(
         USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip
     down_grid = (max_blocks * triton.cdiv(hidden_size, config.down_block_n),)
+    if schedule.recording:
+        schedule.record("fused_moe._down_kernel", writes={"pair_out": pair_out})
     _down_kernel[down_grid](
         hidden, down, pair_out, *tables, blocks.num_blocks,
         hidden_size, inter_size, max_blocks,
@@ -935,6 +952,8 @@ def _fused_moe_sorted(
     # the shared expert in torch ops; only its weighted add joins the fp32 sum (no placeholder reads)
     shared_out = _shared_expert_out(x, shared) if shared is not None else pair_out
     shared_weight = shared.weight if shared is not None else weights
+    if schedule.recording:
+        schedule.record("fused_moe._weighted_sum_kernel", writes={"out": out})
     _weighted_sum_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
         pair_out, weights, out, shared_out, shared_weight,
         hidden_size, weights.stride(0), weights.stride(1), out.stride(0), shared_out.stride(0),

@@ -13,12 +13,11 @@ in. The state lives in the pool rec [S, nv, dk, dv] fp32: row r reads slot state
 state_out[r] in place (they may be equal). One program owns one (row, value head, dv block) tile of the
 state for all T tokens, so the state makes exactly one trip through registers per step.
 
-The step is computed from the raw q and k and the old state, o = decay rq S^T q + rk rq (k . q) delta
-(rq, rk the l2norm-and-scale factors, delta = beta (v - decay rk S^T k)): the same maths as normalising
-first and reading the updated state, but its five reductions (|q|, |k|, S^T q, S^T k, k . q) are
-independent, so they overlap instead of forming a chain of three. H200 graph replay (`tools.ab_step`,
-2026-11-30): 35B-A3B B = 1 2.122 -> 2.103 ms, B = 8 5.829 -> 5.801 and 5.841 -> 5.817 (two calls). The
-results differ from the chained form by fp32 rounding only.
+The step is computed from the raw q and k and the old state, o = decay rq S^T q + rk rq (k . q) delta (rq, rk
+the l2norm-and-scale factors, delta = beta (v - decay rk S^T k)): the same maths as normalising first and
+reading the updated state, but its five reductions (|q|, |k|, S^T q, S^T k, k . q) are independent, so they
+overlap instead of forming a chain of three: measured faster at one and eight rows (docs/benchmarks.md, "Why
+the kernels are as they are", GDN). The results differ from the chained form by fp32 rounding only.
 
 Padding rows (state_in[r] < 0) are skipped: their output is written as zeros and no state is touched.
 A row with state_out[r] < 0 is computed but not persisted. Slots written by one row must not be read or
@@ -36,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["gdn_decode_step"]
 
@@ -267,11 +266,21 @@ def gdn_decode_step(
         return o[:, 0] if squeeze_tokens else o
 
     block_k = triton.next_power_of_2(dk)
-    # 64 value columns per program from two rows (H200 graph replay, `tools.ab_step`, 2026-11-30: 35B-A3B
-    # B = 8 5.845 -> 5.824 ms, 27B unchanged), 32 for one row (more programs for its few heads)
+    # 64 value columns per program from two rows (faster at eight rows: docs/benchmarks.md, GDN), 32 for one
+    # row (more programs for its few heads)
     block_v = block_v or min(triton.next_power_of_2(dv), 64 if batch > 1 else 32)
     scratch = intermediate_states if intermediate_states is not None else rec_pool  # unused when not written
     grid = (batch, nv, triton.cdiv(dv, block_v))
+    if schedule.recording:
+        early = {  # before the wait when settled: the slots, the fresh flags, the state tile, the gating
+            "state_in": state_in, "state_out": None if per_position else state_out, "fresh": fresh,
+            "rec_pool": rec_pool, "A_log": A_log, "dt_bias": dt_bias,
+        }  # fmt: skip
+        states = {"intermediate_states": intermediate_states} if intermediate_states is not None else {}
+        schedule.record(
+            "gdn_decode._gdn_decode_kernel", launch_next_early=launch_next_early,
+            early_reads=early if settled else {}, writes={"o": o, **(states or {"rec_pool": rec_pool})},
+        )  # fmt: skip
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, rec_pool, state_in, state_out,
         fresh if fresh is not None else state_in, scratch, o,

@@ -17,16 +17,15 @@ Then:
    term last, rounded once. For T*K <= EARLY_DOWN_MAX_PAIRS (one token at top-8), `_early_down_combine_kernel`
    instead: the same arithmetic and bits, but it ranks its token's experts again from `projected` (written
    two launches back, so readable before its PDL wait) and issues its down-row loads before the wait, so
-   that they overlap launch 1's tail. H200, 35B-A3B graph replay in one process (`tools.ab_step`,
-   2026-11-30): B = 1 2.377 -> 2.347 ms; at B = 8 it was 0.75 ms slower (its 36 KB preloaded per program
-   took 158 registers, 3 programs per SM instead of 6, and the launch runs in several waves, so only the
-   first one's loads overlap anything).
+   that they overlap launch 1's tail. Faster at one token; at eight tokens much slower (its preloaded rows
+   take so many registers that half as many programs fit an SM, and the launch runs in several waves, so
+   only the first one's loads overlap anything): docs/benchmarks.md, "Why the kernels are as they are", MoE.
 
-Why: the router GEMV then runs in the same stacked GEMV as the shared expert's gate and up (5 MB at
-35B-A3B, at the GEMV's bandwidth), and no launch waits on one program that routes all tokens (the
-ticket-counter kernel this replaces spent 6.5 us per layer at T = 1 and 14 us at T = 8 on the H200,
-mostly that serial tail). Every routed program repeats its token's top-k (up to K rounds of one max
-reduction over E = 256 values): a few hundred nanoseconds each, all in parallel.
+Why: the router GEMV then runs in the same stacked GEMV as the shared expert's gate and up (5 MB at 35B-A3B,
+at the GEMV's bandwidth), and no launch waits on one program that routes all tokens (the ticket-counter kernel
+this replaces spent most of its time per layer in that serial tail; docs/benchmarks.md, MoE). Every routed
+program repeats its token's top-k (up to K rounds of one max reduction over E = 256 values): a few hundred
+nanoseconds each, all in parallel.
 
 Roundings and ranking are those of `moe_route_topk` + `fused_moe(..., shared=SharedExpert(...))`: the same
 results up to the dots' fp32 summation order. No host sync, every grid from static shapes: graph-capturable.
@@ -40,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 from ninfer.ops.triton.fused_moe import (
     DECODE_MAX_PAIRS,
     FusedMoeDecodeConfig,
@@ -61,8 +60,8 @@ _MAX_BLOCK_H = 2048  # x / gate columns per step of the shared-gate dot
 _MAX_PRELOAD_BYTES = 288
 EARLY_DOWN_MAX_PAIRS = 8  # the early down launch by default: one token (faster at T = 1, slower at T = 8)
 # Registers of the early down kernel: 162 uncapped at Qwen3.6's T = 1 tiles, 3 programs per SM, so its 512
-# programs ran in 1.3 waves; at 128 (140 bytes spilled) 4 fit and they are one wave. H200, 35B-A3B decode
-# graph at B = 1 (`tools.ab_step`, three rounds): 2.008 -> 1.988 ms (docs/benchmarks.md, run 17's session).
+# programs ran in 1.3 waves; at 128 (140 bytes spilled) 4 fit and they are one wave, measured faster in the
+# 35B-A3B decode graph at B = 1 (docs/benchmarks.md, "Why the kernels are as they are", MoE).
 EARLY_DOWN_MAXNREG = 128
 
 
@@ -83,19 +82,14 @@ class RoutedGateUpConfig:
         check_powers_of_two(self)
 
 
-# (largest T*K, tiles) from the H200 sweep (`python3 -m tools.kernel_bench.moe_decode`, 2026-11-30, graph
-# replay of the stacked GEMV + both launches): at T = 1 one block of 2 columns over the whole H per program
-# (29.0 us against 32.8 for the ticket-counter routing + fused_moe), at T = 8 the same tile with 4 blocks
-# per program (106.6 against 114.6 us; one block per program: 112.9), so that the 4608 programs' repeated
-# ranking shrinks to one wave's worth. Re-timed inside the whole 35B-A3B decode graph (`tools.ab_step`,
-# 2026-11-30), T = 1 takes 2 blocks per program: 2.124 -> 2.089 and 2.104 -> 2.092 ms in two calls (4 blocks:
-# 2.169, 8: 2.294; 8 warps 2.336; one column 2.272); at T = 8, 8 blocks 6.015 against 5.846 ms, 2 blocks of
-# 4 columns 5.828 (within noise, not taken). Not timed: T = 2 (16 pairs, one block) and T = 3..4 (2 blocks
-# per program). Narrow (int32) ranking keys, same process (`tools.ab_step`, three rounds, 2,064 positions,
-# 2026-11-30): T = 8 5.683 -> 5.642 ms; at T = 1 slower: int64 keys 1.957 ms, int32 in this launch 1.998,
-# in the early down launch's ranking 1.987, in both 1.985 (1.977 with a compare-and-select reduction in
-# place of the warp-reduce instruction). So T = 1 keeps int64 keys, as does the early down launch (one
-# token only). Why the narrow ranking is slower at one token is not established.
+# (largest T*K, tiles) from the H200 sweep of the stacked GEMV + both launches: at T = 1 one block of 2
+# columns over the whole H per program, at T = 8 the same tile with 4 blocks per program, so that the 4608
+# programs' repeated ranking shrinks to one wave's worth. Re-timed inside the whole 35B-A3B decode graph,
+# T = 1 takes 2 blocks per program. Not timed: T = 2 (16 pairs, one block) and T = 3..4 (2 blocks per
+# program). Narrow (int32) ranking keys are faster at T = 8 and slower at T = 1, in this launch and in the
+# early down launch's ranking alike, so T = 1 keeps int64 keys, as does the early down launch (one token
+# only); why the narrow ranking is slower at one token is not established. The figures and the tiles tried:
+# docs/benchmarks.md, "Why the kernels are as they are", MoE.
 _GATE_UP_CONFIGS: tuple[tuple[int, RoutedGateUpConfig], ...] = (
     (8, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=2, warps=4, narrow_keys=False)),
     (16, RoutedGateUpConfig(block_n=2, block_k=2048, n_loop=1, warps=4)),
@@ -431,6 +425,11 @@ def routed_gate_up(
     gate = gate if gate.stride(0) == 1 else gate.contiguous()
     block_k = min(config.block_k, triton.next_power_of_2(hidden_size))
     grid = (tokens * (top_k + 1), triton.cdiv(inter_size, config.block_n * config.n_loop))
+    if schedule.recording:  # the shared expert's gate dot before the wait: x and the bound gate
+        schedule.record(
+            "moe_decode._routed_gate_up_kernel", early_reads={"x": x, "shared_expert_gate": gate},
+            writes={"hidden": hidden, "weights": weights, "ids": ids, "shared_weight": shared_weight},
+        )
     _routed_gate_up_kernel[grid](
         x, projected, gate_up, gate, hidden, weights, ids, shared_weight,
         inter_size, x.stride(0), projected.stride(0), gate_up.stride(0), gate_up.stride(1),
@@ -463,6 +462,12 @@ def _early_down_combine(
     rows = groups * per_step * down.element_size() + shared_down.element_size()  # bytes per row and column
     per_thread = rows * config.down_block_h * block_i * i_steps // (32 * config.down_warps)
     preload_groups, preload_steps = (groups, i_steps) if per_thread <= _MAX_PRELOAD_BYTES else (1, 1)
+    if schedule.recording:  # before the wait: the ranking from the logits, the experts' down rows
+        schedule.record(
+            "moe_decode._early_down_combine_kernel", launch_next_early=launch_next_early,
+            early_reads={"projected": projected, "down": down, "shared_down": shared_down},
+            writes={"out": out},
+        )  # fmt: skip
     _early_down_combine_kernel[(tokens, triton.cdiv(hidden_size, config.down_block_h))](
         projected, hidden, down, weights, out, shared_down, shared_weight,
         hidden_size, projected.stride(0), down.stride(0), down.stride(1), *weights.stride(), out.stride(0),
@@ -498,10 +503,10 @@ def moe_decode_block(
     that launch start (our GEMV's `pdl.enter`, or any kernel outside PDL). `REFERENCE.moe_block`'s
     result up to fp32 summation order; two launches, no host sync. The configs default to
     `default_gate_up_config(T*K)` and `fused_moe.default_decode_config(T*K)` (its down tiles). early_down
-    picks the down launch: `_early_down_combine` (ranks again and loads its down rows before the PDL wait)
-    or `fused_moe.decode_down_combine`; the same result, bit for bit. None: early for T*K <=
-    EARLY_DOWN_MAX_PAIRS (the H200 A/B in the module docstring). launch_next_early: the early down launch
-    lets the next kernel launch before its own wait (`pdl`; the plain one does not).
+    picks the down launch: `_early_down_combine` (ranks again and loads its down rows before the PDL wait) or
+    `fused_moe.decode_down_combine`; the same result, bit for bit. None: early for T*K <= EARLY_DOWN_MAX_PAIRS
+    (measured faster at one token, slower at eight: the module docstring). launch_next_early: the early down
+    launch lets the next kernel launch before its own wait (`pdl`; the plain one does not).
     """
     _check(x, projected, gate_up, shared_expert_gate, top_k)  # before anything is launched
     tokens, hidden_size = x.shape

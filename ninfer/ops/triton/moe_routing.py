@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["moe_route_topk", "output_buffer"]
 
@@ -168,6 +168,11 @@ def moe_route_topk(
     block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(hidden_size))
     # unused pointers when there is no shared gate: any tensor of the right kind (never read)
     shared_args = (x, shared_expert_gate, shared_weight) if has_shared else (logits, logits, weights)
+    if schedule.recording:
+        schedule.record(
+            "moe_routing._route_topk_kernel",
+            writes={"weights": weights, "ids": ids, "shared_weight": shared_weight if has_shared else None},
+        )
     _route_topk_kernel[(tokens,)](
         logits, weights, ids, *shared_args,
         num_experts, logits.stride(0), *weights.stride(), *ids.stride(),

@@ -24,9 +24,9 @@ view, the last dim contiguous. The launch shape depends only on static shapes: C
 Two launch options change when the kernel reads, never what it computes (`pdl`; both off by default):
 - `settled=True`: the norm weight is a bound weight and the residual's writer finished before this
   kernel can launch (`pdl`: the residual stream of an earlier block, four launches back in the model's
-  forward), so both load before the programmatic-launch wait, while the previous kernel still runs.
-  H200 graph replay, one process (`tools.ab_step`, 2026-11-30): 35B-A3B B = 1 2.294 -> 2.253 ms, B = 8
-  5.920 -> 5.821 (the residual alone 0.05 ms of it: by then it has left L2).
+  forward), so both load before the programmatic-launch wait, while the previous kernel still runs:
+  measured faster in the decode graph at one and eight rows, the residual's share small, it having left
+  L2 by then (docs/benchmarks.md, "Why the kernels are as they are", norms).
 - `launch_next_early=True`: the next kernel may launch before this one waits (what it may read before its
   own wait: `pdl`); the fast table asks for it at one row.
 """
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["rms_norm", "add_rms_norm", "add_rms_norm_partials", "gated_rms_norm"]
 
@@ -225,8 +225,14 @@ def _rms_norm_launch(
     else:
         r_rows, r_inner, r_stride_outer, r_stride_inner = _as_rows(residual)
     rows_per_program, block_n, grid, num_warps = _launch(num_rows, n)
-    if splits > 1:  # warps for every slab's loads (35B-A3B's four: 8 warps, 28 us per B = 8 step)
+    if splits > 1:  # warps for every slab's loads (35B-A3B's four: 8 warps; docs/benchmarks.md, norms)
         num_warps = min(8, max(num_warps, rows_per_program * block_n * splits // 512))
+    if schedule.recording:
+        schedule.record(
+            "norm._rms_norm_kernel", launch_next_early=launch_next_early,
+            early_reads={"weight": weight, "residual": residual} if settled else {},
+            writes={"out": out, "summed": summed},
+        )  # fmt: skip
     _rms_norm_kernel[(grid,)](
         x_rows, r_rows, weight, out, out if summed is None else summed,
         num_rows, n, x_inner, x_stride_outer, x_stride_inner, split_stride, r_inner, r_stride_outer,
@@ -348,6 +354,8 @@ def gated_rms_norm(
     x_rows, x_inner, x_stride_outer, x_stride_inner = _as_rows(x)
     z_rows, z_inner, z_stride_outer, z_stride_inner = _as_rows(z)
     rows_per_program, block_n, grid, num_warps = _launch(num_rows, n)
+    if schedule.recording:
+        schedule.record("norm._gated_rms_norm_kernel", launch_next_early=launch_next_early, writes={"out": y})
     _gated_rms_norm_kernel[(grid,)](
         x_rows, z_rows, weight, y,
         num_rows, n, x_inner, x_stride_outer, x_stride_inner, z_inner, z_stride_outer, z_stride_inner, eps,

@@ -23,9 +23,8 @@ holds it in a preloaded block loads that row again (from L2) and puts it in plac
 block's HBM latency overlaps the kernels before, instead of following the row length and table loads
 after the wait. The merge issues its log-sum-exp, partial and gate loads at once (every split stores
 its partial, zeros when its range is empty, so the partials' loads need not wait for the
-log-sum-exps). H200, 35B-A3B decode graph at
-2,064 positions (`tools.ab_step`, 2026-11-30): both together B = 1 2.029 -> 2.011 ms, B = 8 5.712 ->
-5.699 (round 2 of two; docs/benchmarks.md, run 17's session).
+log-sum-exps). Both together measured faster in the 35B-A3B decode graph at one and eight rows
+(docs/benchmarks.md, "Why the kernels are as they are", decode attention).
 
 With ``gate_qkv`` the output gate of Qwen3.6's gated attention is applied where the output is written
 (the single-split kernel or the merge): o, rounded to q's dtype, times sigmoid(gate) in fp32, the gate read
@@ -42,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["paged_decode_attention", "default_num_splits"]
 
@@ -287,15 +286,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     """Static split count (no host sync): about one wave of programs over the GPU's SMs, but at least 16
     splits, at most one per 32 positions of the table's capacity and 128 in all. 1 on CPU.
 
-    Tuned on the H200 (`tools/kernel_bench/small_ops.py`, 27B and 35B-A3B shapes, context 2k and 8k): at
-    B = 1 64 splits beat 8 (2k: 15 vs 24 us; 8k: 25 vs 70 us). Inside the decode graph (`tools.ab_step`,
-    context 2k): 35B-A3B at B = 8 took 16 splits over the two waves' 32 in three sessions (5.985 -> 5.953,
-    5.823 -> 5.800 and 5.720 -> 5.704 ms), while 27B at B = 8 with one wave's 8 was 0.06 ms slower than
-    with 16 (hence the floor). Where this rule and the two-wave one differ at other B, they timed within
-    0.05 ms of each other (35B-A3B B = 4 +0.017, B = 6 -0.011; 27B B = 2 +0.043, B = 4 -0.037 ms). The cap
-    was 64: 35B-A3B at B = 1 (2 kv heads) now takes 128, so that at 2,049-4,096 positions every split is
-    one key block, loaded before the PDL wait: 2.006 -> 1.987 ms at 2,064 positions (three rounds, run 17's
-    session).
+    Tuned on the H200, alone and inside the decode graph (docs/benchmarks.md, "Why the kernels are as they
+    are", decode attention): at B = 1 many splits beat the former 8 by far; at B = 8 35B-A3B is faster with
+    16 splits than with two waves' 32, and 27B slower with one wave's 8 than with 16 (hence the floor);
+    where this rule and the two-wave one differ at other B they timed within noise of each other. The cap
+    was 64: 35B-A3B at B = 1 (2 kv heads) takes 128, so that at 2,049-4,096 positions every split is one
+    key block, loaded before the PDL wait (measured faster).
     """
     if device.type != "cuda":
         return 1
@@ -303,6 +299,34 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     wanted = max(16, triton.cdiv(sm_count, max(1, batch * num_kv_heads)))
     cap = max(1, triton.cdiv(max_context, 32))
     return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(cap), 128))
+
+
+def _record(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+    out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, num_splits: int, *,
+    settled: bool, preload_blocks: int, launch_next_early: bool,
+) -> None:  # fmt: skip
+    """The split and merge launches for `schedule`: with ``settled`` the lengths and the table are read
+    before the wait, and with preloaded blocks every K/V position but each query's newest."""
+    early: dict[str, torch.Tensor | schedule.Part] = {}
+    if settled:
+        early = {"context_lens": context_lens, "block_table": block_table}
+        if preload_blocks > 0:
+            but_newest = schedule.KvPositions.ALL_BUT_NEWEST
+            early["k_pages"] = schedule.Part(k_pages, but_newest)
+            early["v_pages"] = schedule.Part(v_pages, but_newest)
+    split_writes = {"partial_out": partial_out, "partial_lse": partial_lse}
+    if num_splits == 1:
+        split_writes = {"out": out}
+    schedule.record(
+        "paged_decode_attention._paged_decode_kernel", launch_next_early=launch_next_early, early_reads=early,
+        writes=split_writes,
+    )
+    if num_splits > 1:
+        schedule.record(
+            "paged_decode_attention._merge_splits_kernel", launch_next_early=launch_next_early,
+            writes={"out": out},
+        )
 
 
 def paged_decode_attention(
@@ -388,6 +412,11 @@ def paged_decode_attention(
         partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = out  # not touched by the single-split kernel
+    if schedule.recording:
+        _record(
+            k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse, num_splits,
+            settled=settled, preload_blocks=preload_blocks, launch_next_early=launch_next_early,
+        )  # fmt: skip
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pages, v_pages, block_table, context_lens, out, partial_out, partial_lse, gate,
         scale,

@@ -1,8 +1,7 @@
 """Programmatic dependent launch (Hopper and later), on by default there; ``NINFER_PDL=0`` turns it off.
-On the H200 it took 0.38 ms off a 27B decode step (13.72 -> 13.34 ms graph replay, B = 1) and 0.28 ms
-off a 35B-A3B one (2.92 -> 2.65 ms).
+It shortens every decode step on the H200 (docs/benchmarks.md, "Why the kernels are as they are", PDL).
 
-A decode step is hundreds of small kernels in a row (27B at B = 1: 688 launches for 13.7 ms), and each one
+A decode step is hundreds of small kernels in a row (several hundred per 27B step at B = 1), and each one
 pays the launch and block-scheduling latency after the previous kernel has fully drained. With PDL every
 Triton kernel here is launched with the programmatic-serialisation attribute and starts with `enter`:
 it first waits for the previous kernel to complete and flush (``griddepcontrol.wait``), then lets the
@@ -16,9 +15,8 @@ when it launches it early, below): the residual stream in `norm` (four launches 
 `moe_decode`'s early down kernel (two), the normed x of its gate/up launch's shared-expert gate (two),
 the step's inputs (slots, lengths, block tables: unpacked at the step's start) in the attention prologue,
 the recurrence and the decode attention, and the K/V of every position but the newest in the decode
-attention. Results are unchanged. Kernels of other libraries
-(cuBLAS, torch) in between keep ordinary stream order. CUDA-graph capture records the programmatic
-edges (CUDA 12.3+).
+attention. Results are unchanged. Kernels of other libraries (cuBLAS, torch) in between keep ordinary
+stream order. CUDA-graph capture records the programmatic edges (CUDA 12.3+).
 
 A kernel may also let the next one launch before its own wait (`launch_next` ... `enter_after`, or
 `enter_launching_next` where nothing loads before the wait; the ops' ``launch_next_early=True``). The
@@ -30,8 +28,14 @@ fast table asks for it in one-row decode only, along the chains that end in a GE
 load before its wait (35B-A3B at B = 1: the GDN conv step -> recurrence -> gated norm -> gdn_out; the
 attention prologue -> split-KV attention -> merge with the output gate -> o_proj; a norm -> the next
 projection; the MoE down launch -> the norm): that GEMV's weights then stream while the small kernels
-before it run. At eight rows it was 0.2 ms slower per 35B-A3B step, for a reason not established
-(docs/benchmarks.md, run 14's session).
+before it run. At eight rows it was slower, for a reason not established (docs/benchmarks.md, PDL).
+`ninfer.ops.pdl_policy` decides these flags for a step, in one place.
+
+The distances these rules rest on are checked, not trusted: every launch here reports its flags, what
+it reads before its wait and what it writes to `ninfer.ops.triton.schedule` while a schedule is being
+recorded, and `checked_schedule` (re-exported here) asserts, at the end of a recorded step (a graph
+capture, or an eager step), that no read before a wait overlaps what a kernel not yet guaranteed
+complete writes; the exact rule is that module's docstring.
 """
 
 from __future__ import annotations
@@ -41,9 +45,14 @@ import os
 import triton
 import triton.language as tl
 
+from ninfer.ops.triton.schedule import PdlScheduleError, checked_schedule, recorded_schedule
+
 __all__ = [
     "ENABLED",
     "LAUNCH",
+    "PdlScheduleError",
+    "checked_schedule",
+    "recorded_schedule",
     "enter",
     "enter_after",
     "enter_launching_next",

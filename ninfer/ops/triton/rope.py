@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ninfer.ops.rope import mrope_inv_freq
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["mrope_cos_sin"]
 
@@ -71,6 +71,8 @@ def mrope_cos_sin(
     inv_freq = mrope_inv_freq(rotary_dim, theta, positions.device)
     block_half = triton.next_power_of_2(half)
     block_tokens = max(1, min(64, 4096 // block_half, triton.next_power_of_2(num_tokens)))
+    if schedule.recording:
+        schedule.record("rope._mrope_cos_sin_kernel", writes={"cos": cos, "sin": sin})
     _mrope_cos_sin_kernel[(triton.cdiv(num_tokens, block_tokens),)](
         positions, inv_freq, cos, sin, num_tokens, positions.stride(0), positions.stride(1),
         HALF=half, BLOCK_HALF=block_half, SECTION_H=mrope_section[1], SECTION_W=mrope_section[2],

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = [
     "MAX_ROWS",
@@ -90,32 +90,27 @@ class SkinnyConfig:
 
 
 # Measured best configs, keyed by (M bucket, N, K) with bucket 1 for M = 1 and 8 for M = 2..8 (M > 8 is
-# not tuned: an elementwise config tuned at 8 rows would double its accumulator), from
-# `python3 -m tools.kernel_bench.skinny_gemm --sweep [--variant 35b-a3b]` on the H200 (27B shapes on
-# 2026-11-29, 35B-A3B shapes on 2026-11-30). The one-row elementwise entries were then re-timed as the
-# decode graph runs them, 16 projections back to back under PDL (`tools.kernel_bench.skinny_chain`,
-# 2026-11-30): 2 rows x 1024 per step won at every shape but (2048, 512), by 1.6-17 % over the
-# single-launch sweep's pick (27B B = 1 graph replay 13.41 -> 13.22 ms, same machine). Shapes not listed
-# use the heuristic in `default_config`.
-# Bucket 8 lists only the shapes where the kernel beat cuBLAS by >= 3 % (`prefers_skinny`); for 27B
-# gdn_in x1.03, mlp_down x1.06, lm_head x1.10, while attn_qkv, attn_o, gdn_out and mlp_gate_up were
-# 0.95-1.0x there and stay cuBLAS. Loading every program's first weight tile before the PDL wait (into
-# registers or as an L2 prefetch) measured slower on the H200 for the multi-wave 27B launches (27B B = 1
-# replay 13.43 -> 13.60 ms with the prefetch, 14.9 ms bench with the register tile, an older 4 x 512 tile
-# with two steps a trip); only the launches below do it.
+# not tuned: an elementwise config tuned at 8 rows would double its accumulator), from the H200 sweep
+# (`python3 -m tools.kernel_bench.skinny_gemm --sweep [--variant 35b-a3b]`). The one-row elementwise entries
+# were then re-timed as the decode graph runs them, 16 projections back to back under PDL
+# (`tools.kernel_bench.skinny_chain`): 2 rows x 1024 per step won at every shape but (2048, 512). Shapes not
+# listed use the heuristic in `default_config`.
+# Bucket 8 lists only the shapes where the kernel beat cuBLAS by >= 3 % (`prefers_skinny`); the others
+# stay cuBLAS. Loading every program's first weight tile before the PDL wait (into registers or as an L2
+# prefetch) measured slower for the multi-wave 27B launches; only the launches below do it.
 # A one-row launch of static weights (`static_weight=True`: bound weights, never written) whose programs hold
 # at most this many warps per SM (half of Hopper's 64: the one-row tiles' 4-warp programs, 8 to an SM, one
-# wave) loads each program's first weight tile before its PDL wait: in one wave no program holding a tile
-# keeps a later program off the SM. H200 35B-A3B B = 1 graph replay (its attn_o / gdn_out and stacked MoE
-# input, 80 launches): 2.347 -> 2.330 ms (`tools.ab_step`, 2026-11-30, three rounds). It now loads up to
+# wave) loads each program's first weight tiles before its PDL wait: in one wave no program holding a tile
+# keeps a later program off the SM (35B-A3B's attn_o / gdn_out and stacked MoE input). Up to
 # _EARLY_STEPS_MAX tiles: the whole row slice of those projections (16 KB per program, 32 registers a
 # thread), which streams while the small kernels before them run when the fast table lets them launch
-# early (`pdl`, one row): 35B-A3B B = 1 2.212 -> 2.150 ms with the early launches (one tile: 2.193).
+# early (`pdl`, one row).
 # A multi-wave one-row launch whose programs' whole K range is at most _EARLY_STEPS_MAX tiles loads it all
 # before the wait too (35B-A3B gdn_in and attn_qkv, K = 2048 in two tiles, held at once where the loop held
 # one: the first wave's rows stream while the norm before them runs; later waves start after the wait
-# anyway): 2.127 -> 2.102 ms (three rounds, 2026-11-30). 27B (K = 5120, five tiles) with its first four
-# early: 12.884 -> 12.868 ms, within noise and 16 more registers a thread, so not taken.
+# anyway). 27B (K = 5120, five tiles) with its first four early timed within noise for 16 more registers a
+# thread, so not taken. Every figure behind these choices: docs/benchmarks.md, "Why the kernels are as they
+# are", GEMV.
 _EARLY_TILE_WARPS_PER_SM = 32
 _EARLY_STEPS_MAX = 4
 _FMA = {"split_k": 1, "num_stages": 1, "use_dot": False}
@@ -131,8 +126,8 @@ _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (8, 16480, 5120): SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True),
     (8, 5120, 17408): SkinnyConfig(block_n=32, block_k=256, split_k=2, num_stages=3, **_DOT),
     (8, 248320, 5120): SkinnyConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
-    # 35B-A3B (hidden 2048), swept 2026-11-30: one row 1.10-1.28x cuBLAS; eight rows attn_o/gdn_out
-    # (same shape) 1.07-1.13x, router + shared-expert input 1.06x, shared down 1.05x, lm_head 1.08x
+    # 35B-A3B (hidden 2048): every one-row shape faster than cuBLAS; eight rows attn_o/gdn_out (same
+    # shape), router + shared-expert input, shared down and lm_head
     (1, 9216, 2048): _ONE_ROW,
     (1, 2048, 4096): _ONE_ROW,
     (1, 12352, 2048): _ONE_ROW,
@@ -143,14 +138,9 @@ _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (8, 1280, 2048): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, **_DOT),
     (8, 2048, 512): SkinnyConfig(block_n=64, block_k=128, num_stages=6, **_DOT),
     (8, 248320, 2048): SkinnyConfig(block_n=64, block_k=128, num_stages=4, **_DOT),
-    # 35B-A3B eight-row attn_qkv and gdn_in timed in a chain of 16 (`skinny_chain --rows 8`, 2026-11-30):
-    # 12.16 us against cuBLAS 12.59; 14.49 against 16.12 for the untuned 64-column tile (this projection
-    # runs the kernel anyway, for its conv epilogue) and 16.67 for cuBLAS. Then re-timed inside the whole
-    # decode graph at B = 8 (`tools.ab_step`, 2026-11-30, medians of 2-3 rounds): gdn_in 32 x 256 in 3
-    # stages 5.835 -> 5.805 ms and 5.823 -> 5.789 (two calls; 64 x 256: 6.031, 32 x 512: 5.878, 16 x 128:
-    # 5.910); attn_qkv 64 x 128 5.807 -> 5.768 (32 x 256: 5.787); attn_o / gdn_out split 4 of 64 x 256 in 3
-    # stages 5.807 -> 5.776 (split 2: 5.831, 32 x 128: 5.796, 128 x 128: 5.802); the router + shared input
-    # kept (5.814 and 5.878 for the two tried)
+    # 35B-A3B eight-row attn_qkv and gdn_in, timed in a chain of 16 (`skinny_chain --rows 8`; gdn_in runs
+    # the kernel anyway, for its conv epilogue), then re-timed inside the whole decode graph at B = 8 with
+    # the attn_o / gdn_out split-4 tile above; the router + shared input kept its tile
     (8, 9216, 2048): SkinnyConfig(block_n=64, block_k=128, num_stages=4, **_DOT),
     (8, 12352, 2048): SkinnyConfig(block_n=32, block_k=256, num_stages=3, **_DOT),
 }
@@ -158,7 +148,7 @@ _TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
     """Whether this kernel should replace cuBLAS for an [m, k] x [n, k]^T projection: always for one row
-    (5-21 % faster at every measured shape), for 2..8 rows only where it measured faster."""
+    (faster at every measured shape), for 2..8 rows only where it measured faster (the `_TUNED` bucket 8)."""
     return m == 1 or (2 <= m <= 8 and (8, n, k) in _TUNED)
 
 
@@ -174,7 +164,8 @@ class ConvStep:
     As there, slots written by one row must not be read or written by another row (state_out may equal
     the row's own state_in). settled: pool and weight are complete before the GEMV can launch (the
     pool written by an earlier step, a bound weight; `pdl`), so the old windows and the conv weights load
-    before the PDL wait: H200 35B-A3B B = 8 graph replay 5.845 -> 5.833 ms (`tools.ab_step`, 2026-11-30).
+    before the PDL wait (measured faster at eight rows: docs/benchmarks.md, "Why the kernels are as they
+    are", GDN).
     """
 
     pool: torch.Tensor
@@ -590,6 +581,16 @@ def _project(
     conv_options = {"HAS_CONV": conv_kernel > 1, "CONV_K": conv_kernel,  # conv width 1: no conv step
                     "CONV_BLOCK": triton.next_power_of_2(conv_kernel),
                     "CONV_SETTLED": conv_settled}  # fmt: skip
+    early_steps = 0
+    if not config.use_dot:
+        # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
+        # or where a program's whole K range is that many tiles
+        steps = triton.cdiv(k_per_split, config.block_k)
+        one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
+        early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)
+        early_steps = min(_EARLY_STEPS_MAX, steps) if early else 0
+    if schedule.recording:
+        _record(config.use_dot, w, target, conv_args if conv_kernel > 1 else None, conv_settled, early_steps)
     if config.use_dot:
         _skinny_dot_kernel[grid](
             *args, BLOCK_M=_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -598,12 +599,6 @@ def _project(
             USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
         )  # fmt: skip
     else:
-        # one-row programs of a static weight load their first tiles before their PDL wait: in one wave,
-        # or where a program's whole K range is that many tiles
-        steps = triton.cdiv(k_per_split, config.block_k)
-        one_wave = grid[0] * grid[1] * config.num_warps <= _EARLY_TILE_WARPS_PER_SM * _sm_count(x.device)
-        early = static_weight and m == 1 and conv_kernel == 1 and (one_wave or steps <= _EARLY_STEPS_MAX)
-        early_steps = min(_EARLY_STEPS_MAX, steps) if early else 0
         _skinny_fma_kernel[grid](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             UNROLL=config.unroll, **conv_options, EARLY_STEPS=early_steps, ROUND_OUT=round_out,
@@ -613,10 +608,29 @@ def _project(
     return target
 
 
+def _record(
+    use_dot: bool, w: torch.Tensor, target: torch.Tensor, conv_args: tuple | None, conv_settled: bool,
+    early_steps: int,
+) -> None:  # fmt: skip
+    """The GEMV launch for `schedule`: before its wait it reads its first weight tiles (early_steps) and,
+    with a settled conv step, the windows' slots, fresh flags, old taps and the conv weights."""
+    early: dict[str, torch.Tensor] = {"w": w} if early_steps else {}
+    writes = {"out": target}
+    if conv_args is not None:
+        pool, conv_weight, state_in, _, fresh = conv_args[:5]
+        if conv_settled:
+            early |= {"conv_pool": pool, "conv_weight": conv_weight, "state_in": state_in, "fresh": fresh}
+        writes["conv_pool"] = pool
+    kernel = "_skinny_dot_kernel" if use_dot else "_skinny_fma_kernel"
+    schedule.record(f"skinny_gemm.{kernel}", early_reads=early, writes=writes)
+
+
 def _reduce_partials(partials: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> None:
     """out [M, N] <- the slab-order fp32 sum of partials [S, M, N], rounded to x's dtype (then out's)."""
     split_k, m, n = partials.shape
     block = min(1024, triton.next_power_of_2(n))
+    if schedule.recording:
+        schedule.record("skinny_gemm._split_k_reduce_kernel", writes={"out": out})
     _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
         partials, out, x, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block,
         ROUND_OUT=out.dtype != x.dtype, num_warps=4, USE_PDL=pdl.ENABLED, **pdl.LAUNCH,

@@ -2,11 +2,12 @@
 
 `StepBuilder.unpack` (``ninfer.targets.qwen3_6.impl.runtime.step``) runs inside every captured decode graph,
 where its torch form is four small kernels in a row (``query_start.int()``, ``context_lens.int()``, the
-block-table row gather ``index_select`` and ``fresh.bool()``), about 7 us of a ~2 ms step on the H200 with
-nothing to overlap them. Here one kernel does all four: program (r, c) copies column block c of row r's
-table row (the row of sequence ``sequence_index[r]``), and the programs of column block 0 also write row
-r's query_start, context_lens and fresh entries (row 0 also query_start[B]). Same values as the torch
-expressions: int64 to int32 keeps the low 32 bits as ``.int()`` does, fresh is ``value != 0``.
+block-table row gather ``index_select`` and ``fresh.bool()``), a measurable part of a short decode step with
+nothing to overlap them (docs/benchmarks.md, "Why the kernels are as they are", small kernels). Here one
+kernel does all four: program (r, c) copies column block c of row r's table row (the row of sequence
+``sequence_index[r]``), and the programs of column block 0 also write row r's query_start, context_lens and
+fresh entries (row 0 also query_start[B]). Same values as the torch expressions: int64 to int32 keeps the low
+32 bits as ``.int()`` does, fresh is ``value != 0``.
 
 With a ``feed`` (a decode: one token per row) those programs also write row r's token id, ``feed[r]`` where
 the packed id is negative: a decode graph's next replay takes the tokens its last replay drew without a
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.ops.triton import pdl
+from ninfer.ops.triton import pdl, schedule
 
 __all__ = ["unpack_step"]
 
@@ -111,6 +112,12 @@ def unpack_step(
         query_start.copy_(values[3 * num_tokens :])
         return query_start, context_lens, table, fresh, token_ids
     block = min(_BLOCK, triton.next_power_of_2(max(max_pages, 1)))
+    if schedule.recording:
+        schedule.record(
+            "step_unpack._unpack_step_kernel",
+            writes={"query_start": query_start, "context_lens": context_lens, "block_table": table,
+                    "fresh": fresh, "token_ids": token_ids},
+        )  # fmt: skip
     _unpack_step_kernel[(num_rows, max(1, triton.cdiv(max_pages, block)))](
         values, block_tables, query_start, context_lens, table, fresh.view(torch.uint8), num_tokens, num_rows,
         max_pages, block_tables.stride(0), values if feed is None else feed,

@@ -155,6 +155,8 @@ class StepBatch:
     taps          layer indices whose output (the residual stream after the layer) the forward returns
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
     context_lens_host             context_lens as host ints (prefill attention reads them)
+    memo                          values an op makes once per step for all its layers (fla's varlen chunk
+                                  table), never copied by `dataclasses.replace`
 
     The host copies let the prefill ops size their launches without reading the device tensors back: such a
     read is a host sync that drains the GPU queue, and the host then trails the GPU for the rest of the step.
@@ -176,6 +178,7 @@ class StepBatch:
     taps: tuple[int, ...] = field(default=())
     query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
     context_lens_host: tuple[int, ...] | None = None  # context_lens on the host, when the builder knows it
+    memo: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tokens, rows = self.token_ids.shape[0], self.query_start.shape[0] - 1
