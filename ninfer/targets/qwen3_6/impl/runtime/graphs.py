@@ -14,6 +14,10 @@ token ids first. Request identity and page ids are data, never part of the key, 
 serves every mix of requests. Graphs share one memory pool and are captured once, at Program
 construction, never on the request path.
 
+Every capture runs under the PDL schedule check (`ninfer.ops.triton.schedule.checked_schedule`): a
+captured step whose launches could overlap a kernel's early reads with another's writes is refused at
+start, before any request runs.
+
 Each graph computes the logits of every token (``[B*T, V]``, fp32), their argmax (the op table's) and
 keeps the final hidden states (``[B*T, H]``, a drafter's input): greedy rows without penalties or
 log-probs take their tokens from the argmax and skip the sampler's launches after the replay.
@@ -73,6 +77,8 @@ class StepGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays: dict[tuple[int, int], int] = {}  # shape -> replay count (observability; tests read it)
         self.fed_in_place = 0  # replays that read the last replay's argmax as their tokens (tests read it)
+        from ninfer.ops.triton.schedule import checked_schedule
+
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -83,7 +89,12 @@ class StepGraphs:
                 for _ in range(2):  # warm allocator, library handles and kernel modules outside the capture
                     out = torch.empty(rows * tokens, dtype=torch.int64, device=device)
                     argmax(fn(g.inputs, out if tokens == 1 else None)[0], out)
-                with torch.cuda.graph(g.graph, pool=self._pool, stream=stream):
+                # the schedule check wraps the capture: it records every PDL launch of the step and, once
+                # the capture ended, asserts that no kernel reads early what a launch it may overlap writes
+                with (
+                    checked_schedule(tokens_per_row=tokens),
+                    torch.cuda.graph(g.graph, pool=self._pool, stream=stream),
+                ):
                     # the argmax's output, allocated before the step that reads it as the next replay's feed
                     g.greedy = torch.empty(rows * tokens, dtype=torch.int64, device=device)
                     g.logits, g.hidden = fn(g.inputs, g.greedy if tokens == 1 else None)
