@@ -73,7 +73,7 @@ def test_transaction_lifecycle_and_revision() -> None:
     baseline = book.usage([], False)
     plan = book.plan(_request(10, 20))
     assert isinstance(plan, ResourcePlan)
-    txn = book.start(plan)
+    txn, _ = book.start(plan)
     assert book.revision == 1 and book.usage([], False).open_transactions == 1
     with pytest.raises(StalePlan):  # the start moved the revision
         book.start(plan)
@@ -90,11 +90,11 @@ def test_transaction_lifecycle_and_revision() -> None:
     assert handle is not None and book.held(handle).slots == (0, 1, 2)
     second = book.plan(_request(10, 20))
     assert isinstance(second, ResourcePlan)
-    aborted = book.abort(book.start(second))
+    aborted = book.abort(book.start(second)[0])
     assert aborted.kind == "aborted" and book.usage([], False).kv_pages_reserved == 4
     full = book.plan(_request(10, 30))  # 5 pages, 6 free
     assert isinstance(full, ResourcePlan)
-    book.finish(book.start(full))
+    book.finish(book.start(full)[0])
     assert isinstance(book.plan(_request(2, 2)), Blocked)  # no sequence index left
     book.release(handle)
     with pytest.raises(ProgramInvariantError, match="stale or foreign"):

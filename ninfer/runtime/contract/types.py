@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,35 +122,48 @@ class ResourceCapacity:
 
 @dataclass(frozen=True, slots=True)
 class ResourceUsage:
-    """What the Program holds right now; compared against the idle baseline by tests and the Engine."""
+    """What the Program holds right now; compared against the idle baseline by tests and the Engine.
+
+    The first six fields count active work (sequences, open transactions and batches): after every
+    request has ended they equal the baseline. What published checkpoints hold is reported apart, in the
+    last three fields, which equality ignores ("checkpoints aside", rule 14): after the cache is cleared
+    they are 0.
+    """
 
     sequences: int = 0  # active sequences (materialized, not yet released)
-    state_slots: int = 0  # StateImage slots owned by active sequences, transactions or checkpoints
-    kv_pages_mapped: int = 0  # pages that hold written KV positions
+    state_slots: int = 0  # StateImage slots owned by active sequences or transactions
+    kv_pages_mapped: int = 0  # pages that hold written KV positions of active sequences
     kv_pages_reserved: int = 0  # pages promised to active sequences / transactions (includes mapped ones)
     open_transactions: int = 0  # started resource transactions not yet finished or aborted
     open_pending_batches: int = 0  # PendingBatches not yet committed or aborted (0 or 1)
-    checkpoints: int = 0  # published checkpoints held (always 0 until the context cache exists)
+    checkpoints: int = field(default=0, compare=False)  # published checkpoints held
+    checkpoint_state_slots: int = field(default=0, compare=False)  # slots only checkpoints hold
+    checkpoint_kv_pages: int = field(default=0, compare=False)  # pages only checkpoints hold
 
 
 # ---------------------------------------------------------------------------------------------------
-# Context cache seam (empty for now: the ResourceManager's catalog holds no entries yet)
+# Checkpoints (the context cache): the Program publishes them, the ResourceManager catalogs them
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class CheckpointEntry:
-    """One immutable, complete checkpoint the Program published (State + Main KV + backend state + meta).
+    """One immutable, complete checkpoint the Program published: the State, Main KV and backend state of
+    a sequence at one frontier, plus the identity of the prefix it continues.
 
-    The ResourceManager keeps these in its logical catalog and offers them back to
-    ``plan_materialization`` as candidate sources; the Program alone knows their bytes and pages.
-    Today no Program publishes checkpoints, so catalogs stay empty and candidates are always ``()``.
+    ``prefix_digest`` is `identity.prefix_digest` of the token ids before ``frontier_tokens`` (with the
+    media inside them and the Program's ``prefix_salt``): a request whose prompt starts with the same
+    prefix can continue from it. ``shared``: any matching request may use it, or only the session bound
+    to it. ``nbytes``: device memory only this checkpoint holds (what evicting it frees), for the
+    ResourceManager's value policy. The ResourceManager keeps these in its logical catalog and offers
+    them back as candidate sources or eviction victims; the Program alone knows their slots and pages.
     """
 
     checkpoint_id: int
-    prefix_digest: str  # content identity of the prefix (tokens + media) the checkpoint continues from
-    frontier_tokens: int  # committed positions in the checkpoint
-    shared: bool = False  # private to one session binding, or shareable by any matching prefix
+    prefix_digest: str
+    frontier_tokens: int
+    shared: bool = True
+    nbytes: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -260,6 +273,9 @@ class RequestPlan:
     logprobs: LogprobParams
     content_digest: str  # prefix identity of the prompt (tokens + media), from the Frontend
     prepared_prompt: object | None = None
+    # (token offset, token count, media digest) of each media item in the prompt: part of every prefix
+    # identity (`identity.prefix_digests`)
+    media: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def max_total_tokens(self) -> int:
@@ -321,7 +337,7 @@ class RunningTransaction:
     sealed: object = None
 
 
-ResultKind = Literal["materialized", "aborted", "released", "retained"]
+ResultKind = Literal["materialized", "aborted", "released", "retained", "captured", "evicted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,8 +350,12 @@ class ResourceResult:
       sample the first token.
     - ``aborted``: the transaction ended without a sequence; every claim and pin is released.
     - ``released``: ``handle``'s sequence and its whole reservation are gone.
-    - ``retained``: (context cache, later) the sequence was turned into ``published`` checkpoints.
-    ``published``/``removed`` list checkpoint catalog changes (always empty today).
+    - ``retained``: the terminal sequence became the ``published`` checkpoint (its reservation is gone).
+    - ``captured``: an active sequence's state at its frontier was published as a checkpoint (``published``
+      empty: nothing fitted, even after the evictions offered).
+    - ``evicted``: the ``removed`` checkpoints and everything only they held are gone.
+    ``published``/``removed`` list the catalog changes of any transition (a plan's eviction victims
+    appear in ``removed`` of the transition that carries the plan out).
     ``resource_revision`` is the Program's revision after the transition.
     """
 
@@ -552,14 +572,19 @@ class Program(Protocol):
         ...
 
     def plan_materialization(
-        self, request: RequestPlan, candidates: Sequence[CheckpointEntry] = ()
+        self,
+        request: RequestPlan,
+        candidates: Sequence[CheckpointEntry] = (),
+        evictable: Sequence[CheckpointEntry] = (),
     ) -> ResourcePlan | Blocked | Infeasible:
         """Decide, without side effects, whether ``request`` can be materialized now.
 
         Returns a sealed plan that reserves the request's complete growth (rule 3), ``Blocked`` when only
         active incumbents stand in the way, or ``Infeasible`` when not even an empty Program (root source,
         all inactive cache released) could run it. ``candidates`` are checkpoint sources the
-        ResourceManager offers, best first (empty today).
+        ResourceManager offers, best first (the plan names the one it continues, ``source_checkpoint``,
+        and pins it until finish or abort); ``evictable`` are the inactive checkpoints it may evict to
+        make room, in the order the ResourceManager would rather lose them (the plan seals its victims).
         """
         ...
 
@@ -625,6 +650,34 @@ class Program(Protocol):
 
     def release(self, handle: SequenceHandle) -> ResourceResult:
         """End an active sequence: free its state slots, pages and reservation; ``released``."""
+        ...
+
+
+@runtime_checkable
+class CheckpointProgram(Protocol):
+    """Optional Program capability: publish checkpoints (the context cache). Each call is one complete
+    resource transition (device copies are queued on the Program's stream, ahead of any later unit),
+    made only when no other transition is open, and returns a complete `ResourceResult`."""
+
+    @property
+    def prefix_salt(self) -> str:
+        """What the Program's checkpoints hold besides tokens (its package and decode backend): the salt
+        of every prefix digest it publishes (`identity.prefix_digests`)."""
+        ...
+
+    def capture(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
+        """Publish the active sequence's state at its committed frontier (``captured``), evicting from
+        ``evictable`` in order what it must to fit; nothing is published when even that does not fit."""
+        ...
+
+    def retain(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
+        """End a terminal sequence by turning it into a checkpoint (``retained``, the sequence and the
+        rest of its reservation gone); a sequence that cannot form a complete continuation is released
+        instead (the result then says ``released``)."""
+        ...
+
+    def evict(self, checkpoint_ids: Sequence[int]) -> ResourceResult:
+        """Remove inactive checkpoints (``evicted``) and free what only they held."""
         ...
 
 

@@ -117,6 +117,20 @@ class StateStore:
             v_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
         )
 
+    @staticmethod
+    def slot_bytes(variant: Variant, dtype: torch.dtype) -> int:
+        """Bytes of one StateImage slot: every GDN layer's conv window and fp32 recurrent state."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = variant.conv_dim * (variant.linear_conv_kernel_dim - 1) * elem
+        rec = variant.linear_num_value_heads * variant.linear_key_head_dim * variant.linear_value_head_dim * 4
+        return len(variant.gdn_layers) * (conv + rec)
+
+    @staticmethod
+    def page_bytes(variant: Variant, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV page id: K and V of ``page_size`` positions in every attention layer."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * len(variant.attention_layers) * page_size * variant.num_kv_heads * variant.head_dim * elem
+
     @property
     def num_slots(self) -> int:
         return self.conv.shape[1]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.runtime.contract.identity import prefix_digests
 from ninfer.runtime.contract.types import (
     Blocked,
     CheckpointEntry,
@@ -62,7 +63,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
 from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, forced_logprobs
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_images
-from ninfer.targets.qwen3_6.impl.runtime.resources import ResourceBook
+from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
 from ninfer.targets.qwen3_6.kernels import select_kernels
@@ -85,6 +86,9 @@ class ProgramConfig:
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
     decode_lookahead: bool = False  # the plain backend queues the next decode behind each (plain.py)
     max_image_tokens: int = 16384  # image pad tokens one request may carry (the vision workspace's size)
+    checkpoint_slots: int = (
+        0  # state slots for published checkpoints (the context cache), on top of the lanes'
+    )
 
 
 class Qwen36Program:
@@ -114,6 +118,9 @@ class Qwen36Program:
             page_size=config.page_size,
             max_context=config.max_context,
             extra_tokens=self.backend.extra_tokens,
+            checkpoint_slots=config.checkpoint_slots,
+            slot_bytes=StateStore.slot_bytes(variant, config.dtype),
+            page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype),
         )
         self.store = StateStore.allocate(
             variant, self.book.slots.size, config.kv_pages, config.page_size, config.dtype, config.device
@@ -163,8 +170,16 @@ class Qwen36Program:
         return self.book.usage((s.frontier for s in self._sequences.values()), self._open_pending is not None)
 
     # ---- materialization ------------------------------------------------------------------------
+    @property
+    def prefix_salt(self) -> str:
+        """What a checkpoint holds besides the tokens: the family's state and the backend's."""
+        return f"qwen3_6/{self.backend.name}/{self.backend.extra_tokens}"
+
     def plan_materialization(
-        self, request: RequestPlan, candidates: Sequence[CheckpointEntry] = ()
+        self,
+        request: RequestPlan,
+        candidates: Sequence[CheckpointEntry] = (),
+        evictable: Sequence[CheckpointEntry] = (),
     ) -> ResourcePlan | Blocked | Infeasible:
         if len(request.prompt_token_ids) < 1:
             return Infeasible("the prompt is empty; give at least one token")
@@ -179,10 +194,16 @@ class Qwen36Program:
                     f"the prompt's images take {tokens} image tokens, more than the {limit} one request may "
                     "carry (max_image_tokens); send fewer or smaller images"
                 )
-        return self.book.plan(request, candidates)
+        if candidates:  # only a checkpoint of exactly this prompt's prefix (tokens, media, salt) is one
+            frontiers = [c.frontier_tokens for c in candidates]
+            digests = prefix_digests(request.prompt_token_ids, frontiers, request.media, self.prefix_salt)
+            candidates = [c for c in candidates if digests.get(c.frontier_tokens) == c.prefix_digest]
+        return self.book.plan(request, candidates, evictable)
 
     def start(self, plan: ResourcePlan) -> RunningTransaction:
-        return self.book.start(plan)
+        txn, copies = self.book.start(plan)
+        self._copy(copies)  # queued on the stream ahead of the sequence's first unit
+        return txn
 
     def poll(self, txn: RunningTransaction) -> bool:
         self.book.claim(txn)
@@ -200,6 +221,8 @@ class Qwen36Program:
             slots=claim.slots,
             pages=claim.pages,
             current=claim.slots[0],
+            frontier=txn.plan.reused_prefix_tokens,  # a source's positions are committed already
+            media=request.media,
         )
         images = prompt_images(request.prepared_prompt)
         if images:  # the Frontend's M-RoPE positions and the decode offset after the images
@@ -218,14 +241,71 @@ class Qwen36Program:
         return self.book.abort(txn)
 
     def release(self, handle: SequenceHandle) -> ResourceResult:
+        self._handover(handle)
+        del self._sequences[handle.index]
+        return self.book.release(handle)
+
+    # ---- checkpoints (the context cache) --------------------------------------------------------
+    def capture(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
+        seq = self._sequence(handle)
+        self._no_open_pending("capture")
+        digest = self._digest(seq) if seq.state_valid else None
+        if digest is None:  # a frontier inside an image's pads, or no usable state: nothing to publish
+            self.book.revision += 1
+            return ResourceResult(kind="captured", resource_revision=self.book.revision)
+        result, copies = self.book.capture(handle, seq.frontier, seq.current, digest, evictable)
+        self._copy(copies)
+        return result
+
+    def retain(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
+        seq = self._sequence(handle)
+        digest = self._digest(seq) if seq.state_valid and seq.frontier > 0 else None
+        if digest is None:  # no complete continuation to keep: the deterministic outcome is release
+            return self.release(handle)
+        self._handover(handle)
+        del self._sequences[handle.index]
+        return self.book.retain(handle, seq.frontier, seq.current, digest)
+
+    def evict(self, checkpoint_ids: Sequence[int]) -> ResourceResult:
+        return self.book.evict(checkpoint_ids)
+
+    def prove_backfill(
+        self, head: RequestPlan, donors: Sequence[SequenceHandle], borrower: RequestPlan
+    ) -> ResourcePlan | None:
+        """A root plan for ``borrower`` when, while it holds its whole reservation, the end of ``donors``
+        alone (every checkpoint released) leaves room for ``head`` (`ResourceBook.proves_backfill`)."""
+        for donor in donors:
+            self._sequence(donor)
+        if not self.book.proves_backfill(head, donors, borrower):
+            return None
+        plan = self.plan_materialization(borrower)
+        return plan if isinstance(plan, ResourcePlan) else None
+
+    def _digest(self, seq: SequenceState) -> str | None:
+        tokens = (*seq.prompt, *seq.generated)[: seq.frontier]
+        return prefix_digests(tokens, [seq.frontier], seq.media, self.prefix_salt).get(seq.frontier)
+
+    def _copy(self, copies: Copies) -> None:
+        """A transition's device copies: a state slot (recurrent and conv), a KV page (every layer)."""
+        store = self.store
+        with torch.inference_mode():
+            if copies.state is not None:
+                src, dst = copies.state
+                store.conv[:, dst].copy_(store.conv[:, src])
+                store.rec[:, dst].copy_(store.rec[:, src])
+            if copies.page is not None:
+                src, dst = copies.page
+                store.k_pages[:, dst].copy_(store.k_pages[:, src])
+                store.v_pages[:, dst].copy_(store.v_pages[:, src])
+
+    def _handover(self, handle: SequenceHandle) -> None:
+        """Before a sequence's slots and pages change owner: no unit of it may still be queued."""
         self._sequence(handle)
         self._no_open_pending("release")
         self.backend.drop(handle)  # no later decode can ask for a released sequence
         if self.config.device.type == "cuda":
             # every unit queued so far (a dropped lookahead, a forced chunk) ends before the handover
             torch.cuda.current_stream(self.config.device).synchronize()
-        del self._sequences[handle.index]
-        return self.book.release(handle)
 
     # ---- execution ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -332,6 +412,7 @@ class Qwen36Program:
                 seq.state_valid = False
             if accepted:
                 seq.pending_input = row.tokens[accepted - 1]
+                seq.generated.extend(row.tokens[:accepted])
                 self.sampler.count(seq, row.tokens[:accepted])
         if pending.kind == "decode":
             self.backend.committed(seqs, pending.rows, decisions)

@@ -1,23 +1,29 @@
 """`ResourceBook`: the Program's one physical authority over its resources.
 
 It owns the pools (StateImage slots, KV pages with reference counts, sequence indices and their handle
-generations), the reservations every active sequence holds, the sealed materialization plans and the
-one open resource transaction, and ``resource_revision``. It knows nothing of tensors: the Program
-applies what the book decides to the `StateStore` and the block tables.
+generations), the reservations every active sequence holds, the checkpoints published from them, the
+sealed materialization plans and the one open resource transaction, and ``resource_revision``. It
+knows nothing of tensors: the Program applies what the book decides (the copies a plan or a capture
+needs: `Copies`) to the `StateStore` and the block tables.
 
-Sizing (ProgramConfig, docs/paged-kv.md): ``max_sequences x slots_per_sequence`` state slots (the
-current slot of each sequence plus the spares its decode backend writes), and the KV pages the Program
-is given (by default ``max_context / page_size`` per lane, so ``max_sequences`` requests at full context
-always fit). A reservation is complete: every page of ``prompt + max_new_tokens + extra_tokens``
-positions, where ``extra_tokens`` are the positions a speculative verify may write past the last
-accepted token, and all the sequence's slots. Pages are reference counted so that published
-checkpoints can share them with the sequences materialized from them.
+Sizing (ProgramConfig, docs/resources-and-context-cache.md): ``max_sequences x slots_per_sequence`` state
+slots for active sequences (the current slot of each and the spares its decode backend writes) plus
+``checkpoint_slots``, and the KV pages the Program is given (per lane ``max_context / page_size``, plus
+the context cache's share). The pools are shared: a checkpoint may hold slots and pages an active
+request could use, and a materialization that needs them evicts it (inactive checkpoints never cause a
+rejection: `Infeasible` is decided as if none existed). A reservation is complete: every page of
+``prompt + max_new_tokens + extra_tokens`` positions, where ``extra_tokens`` are the positions a
+speculative verify may write past the last accepted token, and all the sequence's slots.
+
+A checkpoint holds one state slot and the pages of its positions: the full ones by reference (shared
+with the sequence it came from and every sequence continued from it: a unit writes only at or past its
+frontier, so none of them writes a page wholly below it) and its last, partial page as its own copy.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ninfer.core.pools import IndexPool, RefPool
@@ -39,7 +45,7 @@ from ninfer.runtime.contract.types import (
 
 @dataclass(frozen=True)
 class Need:
-    """What one materialization takes: KV pages and state slots (and one sequence index)."""
+    """What one materialization takes: new KV pages and state slots (and one sequence index)."""
 
     pages: int
     slots: int
@@ -51,11 +57,36 @@ class Reservation:
 
     handle: SequenceHandle
     slots: tuple[int, ...]
-    pages: list[int] = field(default_factory=list)  # in position order
+    pages: list[int] = field(default_factory=list)  # in position order (a source's full pages first)
+    source: int | None = None  # the checkpoint a materialization continues (pinned until it ends)
+    victims: tuple[int, ...] = ()  # checkpoints the plan evicted at start
+
+
+@dataclass
+class Checkpoint:
+    """A published checkpoint's resources: its state slot and the pages of its positions."""
+
+    entry: CheckpointEntry
+    slot: int
+    pages: list[int]  # pages of positions 0..frontier-1 in order; the last one its own when partial
+    pinned: int = 0  # open materializations continuing from it
+
+    @property
+    def frontier(self) -> int:
+        return self.entry.frontier_tokens
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Device copies a transition needs: state slot ``src -> dst``, and one KV page ``src -> dst`` (the
+    partial last page), each None when there is nothing to copy."""
+
+    state: tuple[int, int] | None = None
+    page: tuple[int, int] | None = None
 
 
 class ResourceBook:
-    """Pools, reservations, plans, the open transaction and the revision of one Program."""
+    """Pools, reservations, checkpoints, plans, the open transaction and the revision of one Program."""
 
     def __init__(
         self,
@@ -67,6 +98,9 @@ class ResourceBook:
         page_size: int,
         max_context: int,
         extra_tokens: int = 0,
+        checkpoint_slots: int = 0,
+        slot_bytes: int = 0,
+        page_bytes: int = 0,
     ) -> None:
         self.owner = owner
         self.max_sequences = max_sequences
@@ -74,11 +108,16 @@ class ResourceBook:
         self.page_size = page_size
         self.max_context = max_context
         self.extra_tokens = extra_tokens
-        self.slots = IndexPool(max_sequences * slots_per_sequence, "state slot")
+        self.slot_bytes = slot_bytes
+        self.page_bytes = page_bytes
+        self.active_slots = max_sequences * slots_per_sequence
+        self.slots = IndexPool(self.active_slots + checkpoint_slots, "state slot")
         self.pages = RefPool(kv_pages, "KV page")
         self.indices = IndexPool(max_sequences, "sequence index")
         self._generations = [0] * max_sequences
         self._held: dict[int, Reservation] = {}  # sequence index -> its reservation (active sequences)
+        self.checkpoints: dict[int, Checkpoint] = {}
+        self._checkpoint_ids = itertools.count(1)
         self.revision = 0
         self._txn_ids = itertools.count(1)
         self.open_txn: RunningTransaction | None = None
@@ -101,24 +140,34 @@ class ResourceBook:
     def usage(self, frontiers: Iterable[int], open_pending: bool) -> ResourceUsage:
         """What is held now; ``frontiers`` are the active sequences' committed frontiers (mapped pages)."""
         frontiers = list(frontiers)
+        active = list(self._held.values())
+        if self.open_txn is not None:
+            active.append(self.open_txn.sealed)
+        active_pages = {p for r in active for p in r.pages}
+        checkpoint_pages = {p for c in self.checkpoints.values() for p in c.pages} - active_pages
         return ResourceUsage(
             sequences=len(frontiers),
-            state_slots=self.slots.used_count,
+            state_slots=sum(len(r.slots) for r in active),
             kv_pages_mapped=sum(-(-f // self.page_size) for f in frontiers),
-            kv_pages_reserved=self.pages.used_count,
+            kv_pages_reserved=len(active_pages),
             open_transactions=int(self.open_txn is not None),
             open_pending_batches=int(open_pending),
+            checkpoints=len(self.checkpoints),
+            checkpoint_state_slots=len(self.checkpoints),
+            checkpoint_kv_pages=len(checkpoint_pages),
         )
 
     # ---- planning -----------------------------------------------------------------------------
-    def need(self, request: RequestPlan) -> Need:
-        positions = request.max_total_tokens + self.extra_tokens
-        return Need(pages=-(-positions // self.page_size), slots=self.slots_per_sequence)
+    def positions_pages(self, request: RequestPlan) -> int:
+        return -(-(request.max_total_tokens + self.extra_tokens) // self.page_size)
 
-    def plan(
-        self, request: RequestPlan, candidates: Iterable[CheckpointEntry] = ()
-    ) -> ResourcePlan | Blocked | Infeasible:
-        """Seal a plan for ``request`` at the current revision, or say why not (no side effect)."""
+    def need(self, request: RequestPlan, source: Checkpoint | None = None) -> Need:
+        """New pages and slots: the reservation less the source's full pages, which are shared."""
+        shared = source.frontier // self.page_size if source is not None else 0
+        return Need(pages=self.positions_pages(request) - shared, slots=self.slots_per_sequence)
+
+    def infeasible(self, request: RequestPlan) -> Infeasible | None:
+        """Why not even an empty Program (root source, every checkpoint released) could run it."""
         total = request.max_total_tokens
         if total > self.max_context:
             return Infeasible(
@@ -126,33 +175,93 @@ class ResourceBook:
                 f"{total} exceeds the context limit of {self.max_context} tokens; shorten the prompt or "
                 "lower max_tokens"
             )
-        need = self.need(request)
-        if need.pages > self.pages.size:
+        pages = self.positions_pages(request)
+        if pages > self.pages.size:
             return Infeasible(
-                f"needs {need.pages * self.page_size} KV positions, the KV pool holds "
+                f"needs {pages * self.page_size} KV positions, the KV pool holds "
                 f"{self.pages.size * self.page_size}; lower max_tokens"
             )
-        if self.indices.free_count == 0 or need.slots > self.slots.free_count:
+        return None
+
+    def plan(
+        self,
+        request: RequestPlan,
+        candidates: Sequence[CheckpointEntry] = (),
+        evictable: Sequence[CheckpointEntry] = (),
+    ) -> ResourcePlan | Blocked | Infeasible:
+        """Seal a plan for ``request`` at the current revision, or say why not (no side effect): the
+        first candidate source it can continue from (else the root), with the fewest of ``evictable``
+        (in their order) evicted to make room."""
+        refusal = self.infeasible(request)
+        if refusal is not None:
+            return refusal
+        if self.indices.free_count == 0:
             return Blocked("no free sequence slot")
-        if need.pages > self.pages.free_count:
-            return Blocked(f"{need.pages} KV pages needed, {self.pages.free_count} free")
-        return ResourcePlan(
-            owner=self.owner,
-            resource_revision=self.revision,
-            reserved=ResourceUsage(sequences=1, state_slots=need.slots, kv_pages_reserved=need.pages),
-            sealed=(request, need),
-        )
+        prompt_len = len(request.prompt_token_ids)
+        sources: list[Checkpoint | None] = [
+            self.checkpoints[c.checkpoint_id]
+            for c in candidates
+            if c.checkpoint_id in self.checkpoints and 0 < c.frontier_tokens < prompt_len
+        ]
+        sources.append(None)
+        reason = ""
+        for source in sources:
+            need = self.need(request, source)
+            keep = {source.entry.checkpoint_id} if source is not None else set()
+            victims = self._victims(need.slots, need.pages, evictable, keep)
+            if victims is None:
+                reason = f"{need.pages} KV pages and {need.slots} state slots needed, held by active requests"
+                continue
+            return ResourcePlan(
+                owner=self.owner,
+                resource_revision=self.revision,
+                reserved=ResourceUsage(sequences=1, state_slots=need.slots, kv_pages_reserved=need.pages),
+                reused_prefix_tokens=source.frontier if source is not None else 0,
+                source_checkpoint=source.entry.checkpoint_id if source is not None else None,
+                sealed=(request, need, tuple(victims)),
+            )
+        return Blocked(reason)
+
+    def _victims(
+        self, slots: int, pages: int, evictable: Sequence[CheckpointEntry], keep: set[int]
+    ) -> list[int] | None:
+        """The shortest prefix of ``evictable`` whose eviction leaves ``slots`` slots and ``pages`` pages
+        free (pages shared with what stays free nothing), or None when all of them are not enough."""
+        free_slots, free_pages = self.slots.free_count, self.pages.free_count
+        if free_slots >= slots and free_pages >= pages:
+            return []
+        refs: dict[int, int] = {}
+        victims: list[int] = []
+        for entry in evictable:
+            checkpoint = self.checkpoints.get(entry.checkpoint_id)
+            if checkpoint is None or checkpoint.pinned or entry.checkpoint_id in keep:
+                continue
+            victims.append(entry.checkpoint_id)
+            free_slots += 1
+            for page in checkpoint.pages:
+                refs[page] = refs.get(page, self.pages.refcount(page)) - 1
+                if refs[page] == 0:
+                    free_pages += 1
+            if free_slots >= slots and free_pages >= pages:
+                return victims
+        return None
 
     # ---- the transaction ----------------------------------------------------------------------
-    def start(self, plan: ResourcePlan) -> RunningTransaction:
-        """Take the plan's claim: a sequence index, its slots and its pages."""
+    def start(self, plan: ResourcePlan) -> tuple[RunningTransaction, Copies]:
+        """Evict the plan's victims and take its claim: a sequence index, its slots, its new pages and
+        the source's full pages (shared); the copies the Program must make for the source."""
         if plan.owner != self.owner:
             raise ProgramInvariantError("plan from another Program")
         if plan.resource_revision != self.revision:
             raise StalePlan(f"plan sealed at revision {plan.resource_revision}, now {self.revision}")
         if self.open_txn is not None:
             raise ProgramInvariantError("a resource transaction is already open")
-        need: Need = plan.sealed[1]
+        request, need, victims = plan.sealed
+        for checkpoint_id in victims:
+            self._drop(checkpoint_id)
+        source = self.checkpoints.get(plan.source_checkpoint) if plan.source_checkpoint is not None else None
+        if plan.source_checkpoint is not None and source is None:
+            raise ProgramInvariantError(f"the plan's source checkpoint {plan.source_checkpoint} is gone")
         if (
             self.indices.free_count == 0
             or need.slots > self.slots.free_count
@@ -162,13 +271,23 @@ class ResourceBook:
         index = self.indices.allocate(1)[0]
         self._generations[index] += 1
         handle = SequenceHandle(owner=self.owner, index=index, generation=self._generations[index])
-        claim = Reservation(handle, tuple(self.slots.allocate(need.slots)), self.pages.allocate(need.pages))
+        slots = tuple(self.slots.allocate(need.slots))
+        pages = self.pages.allocate(need.pages)
+        copies = Copies()
+        if source is not None:
+            full = source.frontier // self.page_size
+            self.pages.retain(source.pages[:full])
+            pages = source.pages[:full] + pages
+            partial = (source.pages[full], pages[full]) if source.frontier % self.page_size else None
+            copies = Copies(state=(source.slot, slots[0]), page=partial)
+            source.pinned += 1
+        claim = Reservation(handle, slots, pages, plan.source_checkpoint, victims)
         self.revision += 1
         txn = RunningTransaction(
             owner=self.owner, transaction_id=next(self._txn_ids), plan=plan, sealed=claim
         )
         self.open_txn = txn
-        return txn
+        return txn, copies
 
     @staticmethod
     def request(txn: RunningTransaction) -> RequestPlan:
@@ -182,20 +301,25 @@ class ResourceBook:
         return txn.sealed
 
     def finish(self, txn: RunningTransaction) -> ResourceResult:
-        """The claim becomes an active sequence's reservation."""
+        """The claim becomes an active sequence's reservation; the source is unpinned."""
         claim = self.claim(txn)
+        self._unpin(claim)
         self._held[claim.handle.index] = claim
         self.open_txn = None
         self.revision += 1
-        return ResourceResult(kind="materialized", resource_revision=self.revision, handle=claim.handle)
+        return ResourceResult(
+            kind="materialized", resource_revision=self.revision, handle=claim.handle,
+            reused_prefix_tokens=txn.plan.reused_prefix_tokens, removed=claim.victims,
+        )  # fmt: skip
 
     def abort(self, txn: RunningTransaction) -> ResourceResult:
-        """Undo the claim whole."""
+        """Undo the claim whole (its victims stay evicted: the result says so)."""
         claim = self.claim(txn)
+        self._unpin(claim)
         self._free(claim)
         self.open_txn = None
         self.revision += 1
-        return ResourceResult(kind="aborted", resource_revision=self.revision)
+        return ResourceResult(kind="aborted", resource_revision=self.revision, removed=claim.victims)
 
     def release(self, handle: SequenceHandle) -> ResourceResult:
         """Return an active sequence's whole reservation."""
@@ -210,7 +334,114 @@ class ResourceBook:
             raise ProgramInvariantError(f"stale or foreign sequence handle {handle}")
         return reservation
 
+    # ---- checkpoints --------------------------------------------------------------------------
+    def checkpoint_bytes(self, pages: int) -> int:
+        return self.slot_bytes + pages * self.page_bytes
+
+    def capture(
+        self,
+        handle: SequenceHandle,
+        frontier: int,
+        current_slot: int,
+        digest: str,
+        evictable: Sequence[CheckpointEntry],
+    ) -> tuple[ResourceResult, Copies]:
+        """Publish an active sequence's state at ``frontier``: a new slot (the state copied into it), its
+        full pages by reference and a copy of its partial last page; nothing when that does not fit even
+        after evicting from ``evictable`` (in order)."""
+        reservation = self.held(handle)
+        full, partial = divmod(frontier, self.page_size)
+        victims = self._victims(1, 1 if partial else 0, evictable, set())
+        if victims is None:
+            self.revision += 1
+            return ResourceResult(kind="captured", resource_revision=self.revision), Copies()
+        for checkpoint_id in victims:
+            self._drop(checkpoint_id)
+        slot = self.slots.allocate(1)[0]
+        self.pages.retain(reservation.pages[:full])
+        pages = list(reservation.pages[:full])
+        page_copy = None
+        if partial:
+            own = self.pages.allocate(1)[0]
+            pages.append(own)
+            page_copy = (reservation.pages[full], own)
+        entry = self._publish(digest, frontier, slot, pages, shared=True)
+        self.revision += 1
+        result = ResourceResult(
+            kind="captured", resource_revision=self.revision, published=(entry,), removed=tuple(victims)
+        )
+        return result, Copies(state=(current_slot, slot), page=page_copy)
+
+    def retain(self, handle: SequenceHandle, frontier: int, current_slot: int, digest: str) -> ResourceResult:
+        """Turn a terminal sequence into a checkpoint with no copy: its current slot and the pages of its
+        positions pass to the checkpoint, the rest of its reservation returns to the pools."""
+        claim = self._held.pop(handle.index)
+        kept = -(-frontier // self.page_size)
+        self.slots.free([s for s in claim.slots if s != current_slot])
+        self.pages.release(claim.pages[kept:])
+        self.indices.free([handle.index])
+        entry = self._publish(digest, frontier, current_slot, claim.pages[:kept], shared=True)
+        self.revision += 1
+        return ResourceResult(
+            kind="retained", resource_revision=self.revision, handle=handle, published=(entry,)
+        )
+
+    def evict(self, checkpoint_ids: Sequence[int]) -> ResourceResult:
+        for checkpoint_id in checkpoint_ids:
+            checkpoint = self.checkpoints.get(checkpoint_id)
+            if checkpoint is None:
+                raise ProgramInvariantError(f"evict of unknown checkpoint {checkpoint_id}")
+            if checkpoint.pinned:
+                raise ProgramInvariantError(
+                    f"evict of checkpoint {checkpoint_id} while a materialization uses it"
+                )
+        for checkpoint_id in checkpoint_ids:
+            self._drop(checkpoint_id)
+        self.revision += 1
+        return ResourceResult(kind="evicted", resource_revision=self.revision, removed=tuple(checkpoint_ids))
+
+    def _publish(
+        self, digest: str, frontier: int, slot: int, pages: list[int], *, shared: bool
+    ) -> CheckpointEntry:
+        own = sum(1 for p in pages if self.pages.refcount(p) == 1)
+        entry = CheckpointEntry(
+            checkpoint_id=next(self._checkpoint_ids), prefix_digest=digest, frontier_tokens=frontier,
+            shared=shared, nbytes=self.checkpoint_bytes(own),
+        )  # fmt: skip
+        self.checkpoints[entry.checkpoint_id] = Checkpoint(entry, slot, pages)
+        return entry
+
+    def _drop(self, checkpoint_id: int) -> None:
+        checkpoint = self.checkpoints.pop(checkpoint_id)
+        self.slots.free([checkpoint.slot])
+        self.pages.release(checkpoint.pages)
+
+    def _unpin(self, claim: Reservation) -> None:
+        if claim.source is not None and claim.source in self.checkpoints:
+            self.checkpoints[claim.source].pinned -= 1
+
     def _free(self, claim: Reservation) -> None:
         self.slots.free(claim.slots)
         self.pages.release(claim.pages)
         self.indices.free([claim.handle.index])
+
+    # ---- backfill ------------------------------------------------------------------------------
+    def proves_backfill(
+        self, head: RequestPlan, donors: Sequence[SequenceHandle], borrower: RequestPlan
+    ) -> bool:
+        """While ``borrower`` holds its complete reservation, the end of ``donors`` alone, with every
+        checkpoint released, leaves room for ``head`` from the root source (no timing assumption)."""
+        if self.infeasible(head) is not None or self.infeasible(borrower) is not None:
+            return False
+        donor_indices = {d.index for d in donors}
+        staying = [r for i, r in self._held.items() if i not in donor_indices]
+        if self.open_txn is not None:
+            staying.append(self.open_txn.sealed)
+        pages_held = len({p for r in staying for p in r.pages}) + self.positions_pages(borrower)
+        slots_held = sum(len(r.slots) for r in staying) + self.slots_per_sequence
+        sequences_held = len(staying) + 1
+        return (
+            sequences_held + 1 <= self.max_sequences
+            and slots_held + self.slots_per_sequence <= self.slots.size
+            and pages_held + self.positions_pages(head) <= self.pages.size
+        )

@@ -12,7 +12,7 @@ commit makes the slot of the accepted position current, abort keeps the old one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer.runtime.contract.types import LogprobParams, SamplingParams, SequenceHandle
@@ -34,9 +34,10 @@ class SequenceState:
     rope_delta: int = 0  # M-RoPE: a text position p after the prompt is at rotary position p + delta
     # [3][len(prompt)] rotary positions of a prompt with images (None: position p is p + rope_delta)
     prompt_positions: Sequence[Sequence[int]] | None = None
-    images: Any = (
-        None  # images.PromptImages of a prompt with images (the tower's features as prefill needs them)
-    )
+    # images.PromptImages of a prompt with images (the tower's features, as the prefill needs them)
+    images: Any = None
+    media: tuple[tuple[int, int, str], ...] = ()  # the prompt's media spans (part of its prefix identity)
+    generated: list[int] = field(default_factory=list)  # committed output tokens, in order
 
     def spares(self, count: int, exclude: Sequence[int] = ()) -> tuple[int, ...]:
         """The first ``count`` owned slots that are neither current nor in ``exclude`` (a queued unit's

@@ -1,0 +1,205 @@
+"""The ResourceManager's logical context cache: the checkpoint catalog, the prefix candidate index, the
+SessionIndex, retention and hit observations, and the policy of where to capture.
+
+Everything here is logical. Each checkpoint is an entry the Program published in a `ResourceResult`;
+its slots, pages and bytes are the Program's, and an entry leaves the catalog only by a result that
+removes it. Lookup is content-addressed: a checkpoint continues exactly the token ids (and media) before
+its frontier, so a prompt can continue it only if the prompt's prefix of that length has the same digest
+(`ninfer.runtime.contract.identity`), whatever a session key says. A session key is a hint that finds
+the session's latest continuation first (private entries are offered to their session only).
+
+Policy (docs/resources-and-context-cache.md):
+- capture inside a prompt at the Frontend's reuse boundaries (system + tools preamble, assistant
+  message starts), every ``capture_interval`` prompt tokens, and one token before the prompt's end (a
+  request with the same prompt, or one that extends it, prefills from there: at least one prompt token
+  is always prefilled, so a checkpoint at the prompt's end would never serve that prompt itself);
+- retain a finished turn as a checkpoint when the Frontend says the history renderer reproduces its
+  output (its last committed span ends at a reuse boundary): private to its session when it has one;
+- evict the least recently used shared entries first, session continuations last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ninfer.runtime.contract.identity import prefix_digests
+from ninfer.runtime.contract.types import CheckpointEntry, ResourceResult
+from ninfer.runtime.engine.request_record import RequestRecord
+
+MAX_CANDIDATES = 4  # sources offered to one plan, best first
+
+
+@dataclass
+class CatalogEntry:
+    entry: CheckpointEntry
+    session: str | None  # private to this session; None: shared by every matching prefix
+    publication_order: int  # of the request whose transition published it
+    last_used: int  # the catalog clock when it was published or last continued
+    hits: int = 0
+
+    @property
+    def checkpoint_id(self) -> int:
+        return self.entry.checkpoint_id
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the cache's counters (the worker replaces it after each change; any thread reads)."""
+
+    enabled: bool = False
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    sessions: int = 0
+    queries: int = 0  # admissions that looked for a source
+    hits: int = 0  # admissions that continued a checkpoint
+    hit_tokens: int = 0  # prompt tokens those admissions did not prefill
+    captures: int = 0  # checkpoints captured inside prompts
+    retains: int = 0  # finished turns kept as checkpoints
+    evictions: int = 0  # checkpoints evicted (pressure or reset)
+
+
+class ContextCache:
+    """See the module docstring. ``salt`` is the Program's ``prefix_salt``."""
+
+    def __init__(self, *, enabled: bool, salt: str, capture_interval: int) -> None:
+        self.enabled = enabled
+        self.salt = salt
+        self.capture_interval = capture_interval
+        self.entries: dict[int, CatalogEntry] = {}
+        self._shared: dict[int, dict[str, int]] = {}  # frontier -> digest -> checkpoint id
+        self.sessions: dict[str, tuple[int, int]] = {}  # session -> (checkpoint id, publication order)
+        self._clock = 0
+        self._counts = {"queries": 0, "hits": 0, "hit_tokens": 0, "captures": 0, "retains": 0, "evictions": 0}
+        self.stats = CacheStats(enabled=enabled)
+
+    def uses_cache(self, record: RequestRecord) -> bool:
+        return self.enabled and record.prefix_cache
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def candidates(self, record: RequestRecord) -> tuple[CheckpointEntry, ...]:
+        """Sources the request's prompt can continue, best first: its session's continuation, then the
+        longest shared prefixes."""
+        if not self.uses_cache(record) or not self.entries:
+            return ()
+        self._counts["queries"] += 1
+        plan = record.plan
+        prompt = plan.prompt_token_ids
+        found: list[CheckpointEntry] = []
+        bound = self.sessions.get(record.session_id) if record.session_id is not None else None
+        lengths = {f for f in self._shared if f < len(prompt)}
+        if bound is not None and bound[0] in self.entries:
+            lengths.add(self.entries[bound[0]].entry.frontier_tokens)
+        digests = prefix_digests(prompt, lengths, plan.media, self.salt)
+        if bound is not None and bound[0] in self.entries:
+            entry = self.entries[bound[0]].entry
+            if digests.get(entry.frontier_tokens) == entry.prefix_digest:
+                found.append(entry)
+        for frontier in sorted((f for f in self._shared if f < len(prompt)), reverse=True):
+            checkpoint_id = self._shared[frontier].get(digests.get(frontier, ""))
+            if checkpoint_id is not None and all(e.checkpoint_id != checkpoint_id for e in found):
+                found.append(self.entries[checkpoint_id].entry)
+            if len(found) >= MAX_CANDIDATES:
+                break
+        return tuple(found)
+
+    def evictable(self) -> tuple[CheckpointEntry, ...]:
+        """Every inactive checkpoint, least valuable first: shared entries by last use, then session
+        continuations by last use."""
+        bound = {checkpoint_id for checkpoint_id, _ in self.sessions.values()}
+        order = sorted(
+            self.entries.values(), key=lambda c: (c.checkpoint_id in bound, c.last_used, c.checkpoint_id)
+        )
+        return tuple(c.entry for c in order)
+
+    def capture_points(self, record: RequestRecord, reused: int) -> list[int]:
+        """Prompt positions past ``reused`` to capture at, ascending: the Frontend's boundaries, every
+        ``capture_interval`` tokens, the last prompt token, less those the catalog already holds."""
+        if not self.uses_cache(record):
+            return []
+        length = len(record.plan.prompt_token_ids)
+        points = {b for b in getattr(record.prompt, "boundaries", ()) if 0 < b < length}
+        points.update(range(self.capture_interval, length, self.capture_interval))
+        if length > 1:
+            points.add(length - 1)
+        points = {p for p in points if p > reused}
+        digests = prefix_digests(record.plan.prompt_token_ids, points, record.plan.media, self.salt)
+        return sorted(p for p in points if p in digests and digests[p] not in self._shared.get(p, {}))
+
+    # ---- adoption -------------------------------------------------------------------------------
+    def adopt(self, result: ResourceResult, record: RequestRecord | None = None, *, private: bool = False) -> None:
+        """The catalog changes of one adopted result: removals, then publications (bound to ``record``'s
+        session when ``private``; a later request's binding is never replaced by an earlier one)."""
+        for checkpoint_id in result.removed:
+            self._remove(checkpoint_id)
+        if result.removed:
+            self._counts["evictions"] += len(result.removed)
+        for entry in result.published:
+            self._clock += 1
+            order = record.publication_order if record is not None else 0
+            session = record.session_id if record is not None and private else None
+            if session is not None:
+                current = self.sessions.get(session)
+                if current is not None and current[1] > order:
+                    session = None  # a later request of the session already holds the binding
+            self.entries[entry.checkpoint_id] = CatalogEntry(entry, session, order, self._clock)
+            if session is None:
+                self._shared.setdefault(entry.frontier_tokens, {})[entry.prefix_digest] = entry.checkpoint_id
+            if record is not None and record.session_id is not None:
+                self.bind(record, entry.checkpoint_id)
+            self._counts["retains" if result.kind == "retained" else "captures"] += 1
+        self._publish_stats()
+
+    def bind(self, record: RequestRecord, checkpoint_id: int) -> None:
+        """SessionIndex: the session's latest continuation, replaced only by a later request's."""
+        session = record.session_id
+        if session is None or checkpoint_id not in self.entries:
+            return
+        current = self.sessions.get(session)
+        if current is None or current[1] <= record.publication_order:
+            self.sessions[session] = (checkpoint_id, record.publication_order)
+
+    def continued(self, checkpoint_id: int | None, tokens: int) -> None:
+        """A materialization continued ``checkpoint_id`` (a hit of ``tokens`` prompt tokens)."""
+        if checkpoint_id is None or checkpoint_id not in self.entries:
+            return
+        self._clock += 1
+        cached = self.entries[checkpoint_id]
+        cached.last_used = self._clock
+        cached.hits += 1
+        self._counts["hits"] += 1
+        self._counts["hit_tokens"] += tokens
+        self._publish_stats()
+
+    def _remove(self, checkpoint_id: int) -> None:
+        cached = self.entries.pop(checkpoint_id, None)
+        if cached is None:
+            return
+        if cached.session is None:
+            frontier = self._shared.get(cached.entry.frontier_tokens, {})
+            if frontier.get(cached.entry.prefix_digest) == checkpoint_id:
+                del frontier[cached.entry.prefix_digest]
+            if not frontier:
+                self._shared.pop(cached.entry.frontier_tokens, None)
+        for session, (bound, _) in list(self.sessions.items()):
+            if bound == checkpoint_id:
+                del self.sessions[session]
+
+    def all_ids(self) -> Sequence[int]:
+        return list(self.entries)
+
+    def clear(self) -> None:
+        """Forget every entry (Engine failure: the Program's state is no longer trusted)."""
+        self.entries.clear()
+        self._shared.clear()
+        self.sessions.clear()
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self.stats = CacheStats(
+            enabled=self.enabled,
+            checkpoints=len(self.entries),
+            checkpoint_bytes=sum(c.entry.nbytes for c in self.entries.values()),
+            sessions=len(self.sessions),
+            **self._counts,
+        )
