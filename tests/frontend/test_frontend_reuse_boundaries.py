@@ -416,6 +416,9 @@ def test_rules_seen_in_the_conversations(frontends: dict[str, Frontend], images:
     assert outputs("qwen3_8", {}) == [True] * 6
     assert outputs("qwen3_8", {"enable_thinking": False}) == [True] * 6
     assert outputs("qwen3_8", {"preserve_thinking": False}) == loop
+    # preserve_thinking=None is the template's own default, for the output renderer too
+    assert outputs("qwen3_8", {"preserve_thinking": None}) == [True] * 6
+    assert outputs("qwen3_6", {"preserve_thinking": None}) == loop
 
 
 def test_boundary_one_token_off_is_not_reproduced(frontends: dict[str, Frontend], images: list[Any]) -> None:

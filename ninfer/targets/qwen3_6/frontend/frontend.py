@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ninfer.media.decode import DecodedImage
-from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate, ChatTemplateError, plain_template_data
+from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate, ChatTemplateError
 from ninfer.targets.qwen3_6.frontend.mrope import mrope_positions
 from ninfer.targets.qwen3_6.frontend.output import OutputSession
 from ninfer.targets.qwen3_6.frontend.prompt import TurnMarkers, chat_boundaries, make_prepared_prompt
@@ -153,7 +153,6 @@ class Frontend:
         prompt whose text holds image/video pad tokens itself, or an image the preprocessor refuses.
         """
         template_kwargs.setdefault("add_generation_prompt", True)
-        kept_kwargs = plain_template_data(template_kwargs)  # owned before the template sees them
         render, decoded = _split_images(messages)
         ids = self.encode(self.render_chat(render, tools=tools, **template_kwargs))
         pad = self.special.image_pad
@@ -172,7 +171,7 @@ class Frontend:
                 tools=tools,
                 chat=True,
                 boundaries=chat_boundaries(tuple(ids), self.turn_markers),
-                template_kwargs=kept_kwargs,
+                template_kwargs=template_kwargs,
             )
         merge = self.image_config.merge_size
         expanded: list[int] = []
@@ -198,7 +197,7 @@ class Frontend:
             images=images,
             mrope=mrope,
             boundaries=chat_boundaries(tuple(expanded), self.turn_markers, images),
-            template_kwargs=kept_kwargs,
+            template_kwargs=template_kwargs,
         )
 
     # ---- output -------------------------------------------------------------------------------
@@ -207,9 +206,9 @@ class Frontend:
         from the prompt: reasoning for a chat prompt or one that opens ``<think>``, tool calls when it
         was prepared with tools. A chat prompt with a generation prompt also gets the history renderer,
         which decides the output's reuse boundary (`OutputPreview.boundaries`)."""
-        kwargs = prompt.template_kwargs
+        kwargs = getattr(prompt, "template_kwargs", None)
         history = None
-        if prompt.chat and kwargs is not None and kwargs.get("add_generation_prompt"):
+        if getattr(prompt, "chat", False) and kwargs is not None and kwargs.get("add_generation_prompt"):
 
             def history(message: Mapping[str, Any], tool_results_follow: bool) -> str:
                 return self.history_turn_text(message, tool_results_follow, kwargs)
@@ -229,8 +228,8 @@ class Frontend:
         turn (tool results after tool calls, else the next user query)."""
         follow = {"role": "tool" if tool_results_follow else "user", "content": "."}
         kwargs = {k: v for k, v in template_kwargs.items() if k != "add_generation_prompt"}
-        try:
-            text = self.chat_template.render(
+        try:  # through render_chat: the variables get the same treatment as the prompt's
+            text = self.render_chat(
                 [{"role": "user", "content": "."}, message, follow], add_generation_prompt=False, **kwargs
             )
         except ChatTemplateError:

@@ -11,10 +11,11 @@ preview runs only the id logic and returns a ``LazyPreview``; the text pipeline 
 the committed state in place, which the Engine can overlap with the next model step. With stop strings
 ``preview`` runs the whole pipeline on copies of the stage states, and ``commit`` adopts them.
 
-Reuse boundary: the preview of the span that ends the turn with ``<|im_end|>`` also asks the history
-renderer how a later prompt renders this turn sent back as an assistant message; if that is exactly the
-generation prompt's turn header plus the output, the end of the turn is a boundary (once per request:
-one small render and an encode of the output).
+Reuse boundary: for the span that ends the turn with ``<|im_end|>``, the preview's ``boundaries`` ask
+the history renderer how a later prompt renders this turn sent back as an assistant message; if that is
+exactly the generation prompt's turn header plus the output, the end of the turn is a boundary. A lazy
+preview decides it only when asked (once per request: a small render, a decode and maybe an encode of
+the output).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def prompt_opens_thinking(token_ids: Sequence[int], special: SpecialTokens) -> b
 @dataclass(frozen=True)
 class TurnMarkers:
     """The ChatML headers as this tokenizer encodes them. Special tokens split the encoding, and the
-    header's ``\n`` never merges with a following non-space character (the pre-tokenizer isolates
+    header's ``\\n`` never merges with a following non-space character (the pre-tokenizer isolates
     newlines), which is why a header ends at the same token in every rendering."""
 
     system_header: tuple[int, ...]  # <|im_start|>system\n
@@ -89,12 +89,12 @@ def chat_boundaries(
     ids: tuple[int, ...], markers: TurnMarkers, images: Sequence[PreparedImage] = ()
 ) -> tuple[int, ...]:
     """Reuse boundaries of a rendered chat (docs/resources-and-context-cache.md, "Reuse boundaries"):
-    after the preamble's ``<|im_end|>\n`` when the prompt opens with a system turn (system message,
-    tools, or the 3.8 reasoning instructions), and after every ``<|im_start|>assistant\n``, the
+    after the preamble's ``<|im_end|>\\n`` when the prompt opens with a system turn (system message,
+    tools, or the 3.8 reasoning instructions), and after every ``<|im_start|>assistant\\n``, the
     generation prompt's included. A later rendering that appends turns renders everything before an
     assistant body the same (history before it is unchanged, and reasoning the template drops starts
     inside the body), so each is a frontier a later prompt can reuse. Kept to ``1..len(ids)-1`` and out
-    of image pads."""
+    of image pads. (Message text that spells a header encodes as one too: a useless hint, no harm.)"""
     found: list[int] = []
     if ids[: len(markers.system_header)] == markers.system_header:
         end = find_tokens(ids, markers.turn_end, 0)
