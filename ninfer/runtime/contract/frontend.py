@@ -54,7 +54,21 @@ class OutputOptions:
 
 @runtime_checkable
 class PreparedPromptLike(Protocol):
-    """An owning prepared prompt: token ids plus content identity (tokens and media)."""
+    """An owning prepared prompt: token ids plus content identity (tokens and media).
+
+    Optional (read with ``getattr``; a prompt without them offers no reuse points):
+
+    - ``boundaries: tuple[int, ...]`` — ascending prefix lengths in ``1..len(token_ids)-1``, never inside
+      a media item's tokens, that the Frontend expects a later prompt of the same conversation to
+      reproduce token for token (chat: the end of the system/tools preamble and the start of every
+      assistant message's body, the generation prompt's included; raw text/token prompts: none). They
+      are hints: checkpoints are found by content, so a wrong boundary costs hits, never correctness.
+    - ``media_spans() -> tuple[tuple[int, int, str], ...]`` — (token offset, token count, media digest)
+      of each media item, in prompt order.
+    - ``prefix_digest(n: int, salt: str = "") -> str`` — the identity of the first ``n`` tokens and the
+      media wholly inside them, `ninfer.runtime.contract.identity.prefix_digest` (ValueError for an
+      ``n`` that cuts a media item). A Program digests prompt + output frontiers with that same function.
+    """
 
     @property
     def token_ids(self) -> tuple[int, ...]: ...
@@ -102,7 +116,14 @@ class OutputDeltaLike(Protocol):
 
 @runtime_checkable
 class OutputPreviewLike(Protocol):
-    """A pure preview of appending a span of model tokens to an OutputSession."""
+    """A pure preview of appending a span of model tokens to an OutputSession.
+
+    Optional ``boundaries: tuple[int, ...]`` (read with ``getattr``, default ``()``): ascending positions
+    in ``1..accepted``, relative to the span, where the prompt plus the output up to there is what the
+    history renderer reproduces token for token once this turn is sent back as an assistant message
+    (e.g. the end of the turn when the template keeps the turn as generated). The Engine checks the
+    range and carries them in ``RowDecision.boundaries``; the Program makes them absolute.
+    """
 
     @property
     def accepted(self) -> int: ...

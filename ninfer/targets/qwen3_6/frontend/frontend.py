@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ninfer.media.decode import DecodedImage
-from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate
+from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate, ChatTemplateError
 from ninfer.targets.qwen3_6.frontend.mrope import mrope_positions
 from ninfer.targets.qwen3_6.frontend.output import OutputSession
-from ninfer.targets.qwen3_6.frontend.prompt import make_prepared_prompt
+from ninfer.targets.qwen3_6.frontend.prompt import TurnMarkers, chat_boundaries, make_prepared_prompt
 from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
 from ninfer.targets.qwen3_6.frontend.types import (
     FrontendResources,
@@ -36,6 +36,10 @@ GENERATION_DEFAULT_KEYS = (
     "frequency_penalty",
     "max_new_tokens",
 )
+
+
+_ASSISTANT_HEADER = "<|im_start|>assistant\n"
+_TURN_END = "<|im_end|>"
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -73,6 +77,7 @@ class Frontend:
         self.generation_defaults: dict[str, Any] = {
             k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None
         }
+        self.turn_markers = TurnMarkers.encoded(tokenizer.encode)
 
     @classmethod
     def from_resources(
@@ -160,7 +165,14 @@ class Frontend:
                 "text content must not contain vision tokens"
             )
         if not decoded:
-            return make_prepared_prompt(ids, self.special, tools=tools, chat=True)
+            return make_prepared_prompt(
+                ids,
+                self.special,
+                tools=tools,
+                chat=True,
+                boundaries=chat_boundaries(tuple(ids), self.turn_markers),
+                template_kwargs=template_kwargs,
+            )
         merge = self.image_config.merge_size
         expanded: list[int] = []
         images: list[PreparedImage] = []
@@ -178,15 +190,53 @@ class Frontend:
         spans = [(image.token_offset, image.grid_thw) for image in images]
         mrope = mrope_positions(len(expanded), spans, merge)
         return make_prepared_prompt(
-            expanded, self.special, tools=tools, chat=True, images=images, mrope=mrope
+            expanded,
+            self.special,
+            tools=tools,
+            chat=True,
+            images=images,
+            mrope=mrope,
+            boundaries=chat_boundaries(tuple(expanded), self.turn_markers, images),
+            template_kwargs=template_kwargs,
         )
 
     # ---- output -------------------------------------------------------------------------------
     def new_output_session(self, prompt: PreparedPrompt, options: OutputOptions) -> OutputSession:
         """A session for one request. Reasoning/tool-call parsing left ``None`` in ``options`` is decided
         from the prompt: reasoning for a chat prompt or one that opens ``<think>``, tool calls when it
-        was prepared with tools."""
-        return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids)
+        was prepared with tools. A chat prompt with a generation prompt also gets the history renderer,
+        which decides the output's reuse boundary (`OutputPreview.boundaries`)."""
+        kwargs = getattr(prompt, "template_kwargs", None)
+        history = None
+        if getattr(prompt, "chat", False) and kwargs is not None and kwargs.get("add_generation_prompt"):
+
+            def history(message: Mapping[str, Any], tool_results_follow: bool) -> str:
+                return self.history_turn_text(message, tool_results_follow, kwargs)
+
+        return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids, history)
+
+    def history_turn_text(
+        self, message: Mapping[str, Any], tool_results_follow: bool, template_kwargs: Mapping[str, Any]
+    ) -> str:
+        """The text a later prompt renders for assistant ``message`` in the place of this turn, from its
+        ``<|im_start|>`` through its ``<|im_end|>``; "" if the template refuses it.
+
+        How the Qwen templates render an assistant message depends only on the message, the template
+        variables and its place relative to the last user query (reasoning is kept after it, or always
+        with ``preserve_thinking``; the tool definitions only shape the system preamble), so a probe
+        conversation stands for the real history: a user query, the message, then what follows it next
+        turn (tool results after tool calls, else the next user query)."""
+        follow = {"role": "tool" if tool_results_follow else "user", "content": "."}
+        kwargs = {k: v for k, v in template_kwargs.items() if k != "add_generation_prompt"}
+        try:  # through render_chat: the variables get the same treatment as the prompt's
+            text = self.render_chat(
+                [{"role": "user", "content": "."}, message, follow], add_generation_prompt=False, **kwargs
+            )
+        except ChatTemplateError:
+            return ""
+        start = text.find(_ASSISTANT_HEADER)
+        end = text.find(_TURN_END, start) if start >= 0 else -1
+        return text[start : end + len(_TURN_END)] if end >= 0 else ""
 
 
 def _split_images(

@@ -10,16 +10,23 @@ strings: the channel splitter and the tool-call parser never end output. So with
 preview runs only the id logic and returns a ``LazyPreview``; the text pipeline runs in ``commit``, on
 the committed state in place, which the Engine can overlap with the next model step. With stop strings
 ``preview`` runs the whole pipeline on copies of the stage states, and ``commit`` adopts them.
+
+Reuse boundary: for the span that ends the turn with ``<|im_end|>``, the preview's ``boundaries`` ask
+the history renderer how a later prompt renders this turn sent back as an assistant message; if that is
+exactly the generation prompt's turn header plus the output, the end of the turn is a boundary. A lazy
+preview decides it only when asked (once per request: a small render, a decode and maybe an encode of
+the output).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ninfer.targets.qwen3_6.frontend.detokenizer import IncrementalDetokenizer, Piece
+from ninfer.targets.qwen3_6.frontend.prompt import last_index
 from ninfer.targets.qwen3_6.frontend.reasoning import ChannelSplitter
 from ninfer.targets.qwen3_6.frontend.stop import StopStringMatcher
 from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
@@ -47,6 +54,10 @@ TEXT_MARKUP_TOKENS = (
 FORCED_THINK_CLOSE_TEXT = "\n</think>\n\n"
 
 _DEFAULTS = OutputOptions()
+
+# (assistant message as a client sends it back, tool results follow) -> the text a later prompt renders
+# for it, from its <|im_start|> through its <|im_end|> (Frontend.history_turn_text)
+HistoryRenderer = Callable[[Mapping[str, Any], bool], str]
 
 
 def _option(options: Any, name: str) -> Any:
@@ -87,6 +98,15 @@ class _Acc:
         )
 
 
+class _TurnState(NamedTuple):
+    """Lengths of the committed totals (text pieces, reasoning pieces, ids) and the tool calls."""
+
+    texts: int
+    reasonings: int
+    token_ids: int
+    calls: dict[int, tuple[str, str, str]]
+
+
 class LazyPreview:
     """A preview decided by token ids alone (no stop strings); its text is rendered on demand.
 
@@ -105,6 +125,8 @@ class LazyPreview:
         "stop_reason",
         "in_think",
         "think_tokens",
+        "_turn",
+        "_boundaries",
         "_session",
         "_epoch",
         "_delta",
@@ -127,6 +149,8 @@ class LazyPreview:
         self.stop_reason = stop_reason
         self.in_think = in_think  # thinking counters after the span
         self.think_tokens = think_tokens
+        self._turn: _TurnState | None = None  # set by the session when the span ends the turn
+        self._boundaries: tuple[int, ...] | None = None
         self._session = session
         self._epoch = session._epoch  # the committed state this preview extends
         self._delta: OutputDelta | None = None
@@ -147,6 +171,16 @@ class LazyPreview:
             self._delta = session._render(st, self.token_ids, self.stop)
             self._rendered = st
         return self._delta
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """The output's reuse boundary (see `OutputPreview`). Only a span that ends the turn can have one;
+        asking renders its delta (like ``delta``) and the turn as history, once."""
+        if self._turn is None:
+            return ()
+        if self._boundaries is None:
+            self._boundaries = self._session._turn_boundaries(self.delta, self._turn)
+        return self._boundaries
 
     def _key(self) -> tuple[Any, ...]:
         return (id(self._session), self._epoch, self.token_ids, self.stop_reason, self.force_tokens)
@@ -174,7 +208,10 @@ class OutputSession:
         prompt: PreparedPrompt,
         options: Any,
         eos_token_ids: Sequence[int],
+        history: HistoryRenderer | None = None,
     ) -> None:
+        """``history`` (chat prompts with a generation prompt): how a later prompt renders this turn; None
+        marks no output boundary."""
         self._think_open = special.think_open
         self._think_close = special.think_close
         stop_ids = set(int(i) for i in _option(options, "stop_token_ids"))
@@ -209,6 +246,12 @@ class OutputSession:
         )
         # stop strings are the only text-dependent decision of a preview (see the module doc)
         self._lazy = not stop_strings
+        # the turn as a later prompt holds it: the generation prompt from its <|im_start|>, then the output
+        self._im_end = special.im_end
+        self._tokenizer = tokenizer
+        self._history = history
+        head = last_index(prompt.token_ids, special.im_start) if history is not None else -1
+        self._turn_head = prompt.token_ids[head:] if head >= 0 else ()
         # thinking counters, by token id (only the budget reads them)
         self._in_think = prompt.opens_thinking
         self._think_tokens = 0
@@ -277,6 +320,8 @@ class OutputSession:
             if stop_reason is None:
                 force = self._budget_force(in_think, think_tokens)
         preview = LazyPreview(self, ids, stop_reason, force, in_think, think_tokens)
+        if stop_reason == self._im_end and self._turn_head:
+            preview._turn = self._turn_state()  # decided on demand (LazyPreview.boundaries)
         self._pending = preview
         return preview
 
@@ -303,7 +348,12 @@ class OutputSession:
         stop = stop_reason is not None
         force = () if stop else self._budget_force(in_think, think_tokens)
         ids = tuple(int(t) for t in token_ids[:accepted])
-        preview = OutputPreview(accepted=accepted, stop=stop, delta=acc.delta(ids), force_tokens=force)
+        delta = acc.delta(ids)
+        ends_turn = stop_reason == self._im_end and self._turn_head
+        boundaries = self._turn_boundaries(delta, self._turn_state()) if ends_turn else ()
+        preview = OutputPreview(
+            accepted=accepted, stop=stop, delta=delta, force_tokens=force, boundaries=boundaries
+        )
         self._pending = preview
         self._pending_eager = (st, stop_reason, in_think, think_tokens)
         return preview
@@ -366,13 +416,36 @@ class OutputSession:
         if delta.reasoning_text:
             self._reasoning.append(delta.reasoning_text)
         self._token_ids.extend(delta.token_ids)
-        for d in delta.tool_calls:
-            call = self._calls.setdefault(d.index, ["", "", ""])
-            if d.id is not None:
-                call[0] = d.id
-            if d.name is not None:
-                call[1] = d.name
-            call[2] += d.arguments
+        _merge_calls(self._calls, delta.tool_calls)
+
+    def _turn_state(self) -> _TurnState:
+        """The committed totals as of now, kept by a preview that ends the turn: its boundary may be
+        asked for after its own commit appended to them."""
+        calls = {i: tuple(c) for i, c in self._calls.items()}
+        return _TurnState(len(self._text), len(self._reasoning), len(self._token_ids), calls)
+
+    def _turn_boundaries(self, delta: OutputDelta, turn: _TurnState) -> tuple[int, ...]:
+        """``(len(span),)`` if the history renderer reproduces the turn ending with ``delta``'s span
+        token for token, else (). The message is what the serve layer returns and a client sends back."""
+        assert self._history is not None
+        calls = {i: list(c) for i, c in turn.calls.items()}
+        _merge_calls(calls, delta.tool_calls)
+        tool_calls = [ToolCall(i, *c).to_openai() for i, c in sorted(calls.items())]
+        text = "".join(self._text[: turn.texts]) + delta.text
+        reasoning = "".join(self._reasoning[: turn.reasonings]) + delta.reasoning_text
+        message = {
+            "role": "assistant",
+            "content": text if text or not tool_calls else None,
+            "reasoning_content": reasoning or None,
+            "tool_calls": tool_calls,
+        }
+        rendered = self._history(message, bool(tool_calls))
+        produced = (*self._turn_head, *self._token_ids[: turn.token_ids], *delta.token_ids)
+        # the text first (a decode is several times cheaper than an encode): it tells most misses, e.g.
+        # reasoning the template drops; then the tokens, since the model may have split text unusually
+        if not rendered or self._tokenizer.decode(produced) != rendered:
+            return ()
+        return (len(delta.token_ids),) if tuple(self._tokenizer.encode(rendered)) == produced else ()
 
     def _budget_force(self, in_think: bool, think_tokens: int) -> tuple[int, ...]:
         budget = self._thinking_budget
@@ -456,3 +529,14 @@ class OutputSession:
             tail = st.tools.flush()
             if tail:
                 acc.text.append(tail)
+
+
+def _merge_calls(calls: dict[int, list[str]], deltas: Iterable[ToolCallDelta]) -> None:
+    """Fold tool-call deltas into ``calls`` (index -> [id, name, arguments])."""
+    for d in deltas:
+        call = calls.setdefault(d.index, ["", "", ""])
+        if d.id is not None:
+            call[0] = d.id
+        if d.name is not None:
+            call[1] = d.name
+        call[2] += d.arguments

@@ -12,6 +12,7 @@ import numpy as np
 
 # the one OutputOptions value (the Engine builds it; the output session reads it)
 from ninfer.runtime.contract.frontend import OutputOptions as OutputOptions
+from ninfer.runtime.contract.identity import prefix_digest
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,15 @@ class PreparedPrompt:
     positions are 0..L-1 on every axis; ``mrope_delta``: a token at cache position ``n`` past the prompt
     (decode) has position ``n + mrope_delta`` on all three axes (0 without images). The positions are a
     function of the ids and the grids, so equality does not compare the array.
+
+    Reuse (docs/resources-and-context-cache.md, "Reuse boundaries"): ``boundaries`` are ascending prefix
+    lengths, each in ``1..len(token_ids)-1`` and never inside an image's pads, that a later rendering of
+    the same conversation with more turns appended reproduces token for token (unless the template drops
+    reasoning before them): the end of the system/tools preamble and the start of every assistant
+    message's body, the generation prompt's included. A checkpoint there is found again by
+    ``prefix_digest(b)``. ``template_kwargs`` are the chat-template variables the prompt was rendered
+    with (``add_generation_prompt``, ``enable_thinking``, ``preserve_thinking``, ...): the output session
+    renders its turn as history with the same ones. Text and token prompts have neither.
     """
 
     token_ids: tuple[int, ...]
@@ -83,11 +93,32 @@ class PreparedPrompt:
     images: tuple[PreparedImage, ...] = ()
     mrope_positions: np.ndarray | None = field(default=None, compare=False, repr=False)
     mrope_delta: int = 0
+    boundaries: tuple[int, ...] = ()
+    template_kwargs: dict[str, Any] | None = None
 
     @property
     def image_tokens(self) -> int:
         """Prompt tokens that are image pads (they count in ``prompt_tokens``)."""
         return sum(image.num_tokens for image in self.images)
+
+    def media_spans(self) -> tuple[tuple[int, int, str], ...]:
+        """(token offset, token count, media digest) of each image, in prompt order."""
+        return tuple((image.token_offset, image.num_tokens, image.digest) for image in self.images)
+
+    def prefix_digest(self, n: int, salt: str = "") -> str:
+        """Content identity of the first ``n`` tokens: their ids and the images wholly inside them
+        (`ninfer.runtime.contract.identity.prefix_digest`; equal for two prompts whose first ``n`` tokens
+        and images are equal). Raises ValueError for ``n`` outside ``0..len(token_ids)`` or inside an
+        image's pads (a prefix holding part of an image has no identity a checkpoint could match)."""
+        if not 0 <= n <= len(self.token_ids):
+            raise ValueError(f"prefix length {n} outside 0..{len(self.token_ids)}")
+        media = []
+        for offset, count, digest in self.media_spans():
+            if offset < n < offset + count:
+                raise ValueError(f"prefix length {n} cuts the image pads at {offset}..{offset + count}")
+            if offset + count <= n:
+                media.append((offset, digest))
+        return prefix_digest(self.token_ids[:n], media, salt)
 
 
 @dataclass(frozen=True)
@@ -131,10 +162,14 @@ class OutputPreview:
 
     ``accepted`` counts the tokens of the span that are kept: a stopping token is accepted (it was
     generated) but produces no text; tokens after a stop are not accepted. ``force_tokens`` is non-empty
-    when the session requires a forced-control suffix next (thinking budget reached).
+    when the session requires a forced-control suffix next (thinking budget reached). ``boundaries``
+    (positions ``1..accepted`` relative to the span) are where the output so far, after the prompt, is
+    reproduced token for token by the history renderer once the turn is sent back as an assistant
+    message: the end of the turn (its ``<|im_end|>``) when the template keeps the turn as generated.
     """
 
     accepted: int
     stop: bool
     delta: OutputDelta
     force_tokens: tuple[int, ...] = field(default=())
+    boundaries: tuple[int, ...] = field(default=())
