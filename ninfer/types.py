@@ -143,6 +143,14 @@ class EngineConfig:
     - ``max_image_tokens``: image pad tokens one request may carry (a 1024 x 1024 image is 1,024); the
       vision tower's working memory is reserved for this many at start, a larger request is rejected.
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
+    - ``prefix_cache``: the context cache (docs/resources-and-context-cache.md): a request whose prompt
+      starts with a prefix the Engine has run before continues the checkpoint at that prefix instead of
+      prefilling it; output is the same as a cold run. A request may opt out (``GenerationRequest``).
+    - ``cache_memory_gb``: device memory for checkpoints beyond the lanes' own reservations (their
+      recurrent-state slots and the KV pages only they hold); ``None`` sizes it from the free memory
+      (CUDA) or a small default (CPU). Checkpoints may also use whatever the lanes leave idle.
+    - ``capture_interval``: prompt tokens between two checkpoints of a long prompt (besides the
+      Frontend's reuse boundaries: the system preamble and the assistant turn starts).
     """
 
     purpose: Purpose = "generation"
@@ -162,8 +170,15 @@ class EngineConfig:
     score_stride: int = 1024
     speculative: str | None = None
     max_image_tokens: int = 16384
+    prefix_cache: bool = True
+    cache_memory_gb: float | None = None
+    capture_interval: int = 4096
 
     def __post_init__(self) -> None:
+        if self.cache_memory_gb is not None and not self.cache_memory_gb >= 0:
+            raise ValueError(f"cache_memory_gb must be >= 0 or None, got {self.cache_memory_gb}")
+        if self.capture_interval < 1:
+            raise ValueError(f"capture_interval must be >= 1, got {self.capture_interval}")
         parse_speculative(self.speculative)  # raises ValueError naming what is wrong
         if self.max_image_tokens < 0:
             raise ValueError(f"max_image_tokens must be >= 0, got {self.max_image_tokens}")
@@ -239,6 +254,11 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     thinking_budget: int | None = None
+    # the context cache: a session key finds the session's latest continuation first (a hint: reuse is
+    # decided by content, so output never depends on it); ``prefix_cache=False`` keeps the request out
+    # of the cache (it neither continues nor leaves checkpoints)
+    session_id: str | None = None
+    prefix_cache: bool = True
 
     def problems(self) -> list[str]:
         """Every reason this request cannot be represented, each saying what to change."""
@@ -278,6 +298,9 @@ class GenerationRequest:
                 "samples the first token before the thinking block can be closed; to skip thinking, "
                 "turn it off in the chat template (chat_template_kwargs enable_thinking=False)"
             )
+        session = self.session_id
+        if session is not None and (not isinstance(session, str) or len(session) > 256):
+            out.append("session_id must be a string of at most 256 characters")
         return out
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -79,3 +79,27 @@ def prefix_digest(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (
     for offset, digest in media:
         hasher.add_media(offset, digest)
     return hasher.hexdigest()
+
+
+def prefix_digests(
+    token_ids: Sequence[int],
+    lengths: Iterable[int],
+    media_spans: Sequence[tuple[int, int, str]] = (),
+    salt: str = "",
+) -> dict[int, str]:
+    """`prefix_digest` of ``token_ids[:n]`` for every ``n`` in ``lengths``, in one pass over the ids.
+    ``media_spans`` are (token offset, token count, media digest) of the media items; those wholly
+    inside a prefix are part of its identity, and a length that cuts one has no digest (omitted)."""
+    wanted = sorted({n for n in lengths if 0 < n <= len(token_ids)})
+    spans = sorted(media_spans)
+    out: dict[int, str] = {}
+    hasher = PrefixHasher(salt)
+    item = 0
+    for n in wanted:
+        hasher.extend(token_ids[hasher.num_tokens : n])
+        while item < len(spans) and spans[item][0] + spans[item][1] <= n:
+            hasher.add_media(spans[item][0], spans[item][2])
+            item += 1
+        if not any(offset < n < offset + count for offset, count, _ in spans):
+            out[n] = hasher.hexdigest()
+    return out

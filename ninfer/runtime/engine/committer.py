@@ -110,7 +110,8 @@ class Committer:
                 decisions.append(RowDecision(row.handle, accepted))
                 continuing.append(Unpublished(record, preview, row))
             else:
-                decisions.append(RowDecision(row.handle, accepted, terminal=True))
+                boundaries = self._turn_boundaries(record, preview, reason)
+                decisions.append(RowDecision(row.handle, accepted, terminal=True, boundaries=boundaries))
                 ending.append(_Ending(row, record, preview, reason, None))
         # No validate_decisions here: the Program runs it in commit (contract rules 5-6: a mismatched
         # disposition is its ProgramInvariantError, which fails the Engine), and these decisions are
@@ -156,6 +157,26 @@ class Committer:
                     logprobs = row_logprobs(record, row, accepted)
                     self.publish_delta(record, out, tuple(row.tokens[:accepted]), logprobs)
             core.finish(record, reason, error)
+
+    def _turn_boundaries(
+        self, record: RequestRecord, preview: OutputPreviewLike, reason: FinishReason
+    ) -> tuple[int, ...]:
+        """The Frontend's reuse boundaries of a turn's last span, asked for only where the context
+        cache would retain the turn (they may cost the Frontend a render): checked to lie in the accepted
+        span; ``output_reproducible`` when one ends it."""
+        if reason != "stop" or not self._core.resources.cache.uses_cache(record):
+            return ()
+        try:
+            boundaries = tuple(getattr(preview, "boundaries", ()))
+        except Exception:  # noqa: BLE001 - a hint: without it the turn is only not kept
+            log.warning("request %d: the output's reuse boundaries failed", record.request_id, exc_info=True)
+            return ()
+        if any(not 1 <= b <= preview.accepted for b in boundaries):
+            raise EngineInvariantError(
+                f"Frontend boundaries {boundaries} outside the accepted span 1..{preview.accepted}"
+            )
+        record.output_reproducible = preview.accepted in boundaries
+        return boundaries
 
     def publish_committed(self) -> bool:
         """OutputSession commit and publication of the last unit's rows that go on generating; returns

@@ -9,10 +9,8 @@ its frontier, so a prompt can continue it only if the prompt's prefix of that le
 the session's latest continuation first (private entries are offered to their session only).
 
 Policy (docs/resources-and-context-cache.md):
-- capture inside a prompt at the Frontend's reuse boundaries (system + tools preamble, assistant
-  message starts), every ``capture_interval`` prompt tokens, and one token before the prompt's end (a
-  request with the same prompt, or one that extends it, prefills from there: at least one prompt token
-  is always prefilled, so a checkpoint at the prompt's end would never serve that prompt itself);
+- capture inside a prompt at the Frontend's first and last reuse boundaries (the system + tools
+  preamble, the start of the reply) and every ``capture_interval`` prompt tokens (`capture_points`);
 - retain a finished turn as a checkpoint when the Frontend says the history renderer reproduces its
   output (its last committed span ends at a reuse boundary): private to its session when it has one;
 - evict the least recently used shared entries first, session continuations last.
@@ -28,6 +26,7 @@ from ninfer.runtime.contract.types import CheckpointEntry, ResourceResult
 from ninfer.runtime.engine.request_record import RequestRecord
 
 MAX_CANDIDATES = 4  # sources offered to one plan, best first
+MIN_CAPTURE_GAP = 64  # prompt tokens a capture must add over the checkpoint before it
 
 
 @dataclass
@@ -62,10 +61,13 @@ class CacheStats:
 class ContextCache:
     """See the module docstring. ``salt`` is the Program's ``prefix_salt``."""
 
-    def __init__(self, *, enabled: bool, salt: str, capture_interval: int) -> None:
+    def __init__(
+        self, *, enabled: bool, salt: str, capture_interval: int, min_capture_gap: int = MIN_CAPTURE_GAP
+    ) -> None:
         self.enabled = enabled
         self.salt = salt
         self.capture_interval = capture_interval
+        self.min_capture_gap = min_capture_gap
         self.entries: dict[int, CatalogEntry] = {}
         self._shared: dict[int, dict[str, int]] = {}  # frontier -> digest -> checkpoint id
         self.sessions: dict[str, tuple[int, int]] = {}  # session -> (checkpoint id, publication order)
@@ -113,21 +115,32 @@ class ContextCache:
         return tuple(c.entry for c in order)
 
     def capture_points(self, record: RequestRecord, reused: int) -> list[int]:
-        """Prompt positions past ``reused`` to capture at, ascending: the Frontend's boundaries, every
-        ``capture_interval`` tokens, the last prompt token, less those the catalog already holds."""
+        """Prompt positions past ``reused`` to capture at, ascending, less those the catalog holds: the
+        first and the last of the Frontend's boundaries (the end of the system preamble, shared by every
+        conversation that opens with it; the start of the reply, which the next turn reuses even when the
+        template drops this turn's reasoning) and every ``capture_interval`` tokens. Each costs a prefill
+        unit of its own, which few tokens do not repay: the preamble is kept ``min_capture_gap`` tokens or
+        more past ``reused``, an interval point as far from the points before and after it."""
         if not self.uses_cache(record):
             return []
         length = len(record.plan.prompt_token_ids)
-        points = {b for b in getattr(record.prompt, "boundaries", ()) if 0 < b < length}
-        points.update(range(self.capture_interval, length, self.capture_interval))
-        if length > 1:
-            points.add(length - 1)
-        points = {p for p in points if p > reused}
-        digests = prefix_digests(record.plan.prompt_token_ids, points, record.plan.media, self.salt)
-        return sorted(p for p in points if p in digests and digests[p] not in self._shared.get(p, {}))
+        gap = self.min_capture_gap
+        boundaries = [b for b in getattr(record.prompt, "boundaries", ()) if reused < b < length]
+        chosen = set(boundaries[-1:])
+        if boundaries and boundaries[0] - reused >= gap:
+            chosen.add(boundaries[0])
+        for point in range(self.capture_interval, length, self.capture_interval):
+            before = max([reused, *(c for c in chosen if c < point)])
+            after = min([c for c in chosen if c > point], default=None)
+            if point - before >= gap and (after is None or after - point >= gap):
+                chosen.add(point)
+        digests = prefix_digests(record.plan.prompt_token_ids, chosen, record.plan.media, self.salt)
+        return sorted(p for p, d in digests.items() if d not in self._shared.get(p, {}))
 
     # ---- adoption -------------------------------------------------------------------------------
-    def adopt(self, result: ResourceResult, record: RequestRecord | None = None, *, private: bool = False) -> None:
+    def adopt(
+        self, result: ResourceResult, record: RequestRecord | None = None, *, private: bool = False
+    ) -> None:
         """The catalog changes of one adopted result: removals, then publications (bound to ``record``'s
         session when ``private``; a later request's binding is never replaced by an earlier one)."""
         for checkpoint_id in result.removed:

@@ -27,6 +27,7 @@ from types import TracebackType
 
 from ninfer.runtime.contract.frontend import FrontendLike, OutputOptions, PreparedPromptLike
 from ninfer.runtime.contract.types import LogprobParams, Program, RequestPlan, SamplingParams, ScoringProgram
+from ninfer.runtime.engine.context_cache import CacheStats
 from ninfer.runtime.engine.engine_core import EngineCore
 from ninfer.runtime.engine.request_record import ResponseChannel
 from ninfer.runtime.scoring.core import CausalScoreCore
@@ -207,9 +208,11 @@ class Engine:
         _RUNNING_CORES.add(core)
         if config.warmup:
             core.set_availability("warming")
-            # the same public path as any request; the (future) context cache is off for it
+            # the same public path as any request, with the context cache off: it leaves no checkpoint
             handle = self.submit(
-                GenerationRequest(prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0)
+                GenerationRequest(
+                    prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, prefix_cache=False
+                )
             )
             with handle:
                 handle.result(raise_on_error=False)
@@ -243,6 +246,16 @@ class Engine:
             None if observer is None else (lambda _, unit: observer(unit.kind.value, len(unit.members)))
         )
 
+    # ---- the context cache ----
+    def cache_stats(self) -> CacheStats:
+        """The context cache's counters (checkpoints held, hits, prompt tokens not prefilled, ...)."""
+        return self.core.resources.cache.stats
+
+    def reset_cache(self, timeout: float | None = 30.0) -> int:
+        """Drop every inactive checkpoint (requests in flight keep theirs until they end); returns how
+        many were dropped. Waits for the worker to carry it out at its next boundary."""
+        return self.core.request_cache_reset().wait(timeout)
+
     # ---- generation ----
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         """Validate, prepare and enqueue a request. Raises ``RequestRejected`` at once for an invalid or
@@ -259,7 +272,10 @@ class Engine:
         prompt = self._prepare(request)
         plan = self._plan(request, prompt)
         session = self._frontend.new_output_session(prompt, self._output_options(request))
-        return GenerationHandle(self._core.submit(prompt, session, plan))
+        channel = self._core.submit(
+            prompt, session, plan, session_id=request.session_id, prefix_cache=request.prefix_cache
+        )
+        return GenerationHandle(channel)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> GenerationResult:
         """Submit and wait; raises the request's error if it ends with one."""
@@ -305,6 +321,7 @@ class Engine:
             logprobs=LogprobParams(enabled=request.logprobs, top_n=request.top_logprobs),
             content_digest=prompt.digest,
             prepared_prompt=prompt,
+            media=tuple(getattr(prompt, "media_spans", tuple)()),
         )
 
     def _sampling(self, request: GenerationRequest, seed: int) -> SamplingParams:

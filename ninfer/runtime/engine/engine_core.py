@@ -49,7 +49,7 @@ from ninfer.runtime.contract.types import (
 from ninfer.runtime.engine.admission_policy import AdmissionPolicy
 from ninfer.runtime.engine.committer import Committer
 from ninfer.runtime.engine.failure import fail_engine
-from ninfer.runtime.engine.ingress import Ingress
+from ninfer.runtime.engine.ingress import CacheReset, Ingress
 from ninfer.runtime.engine.request_record import (
     ACTIVE_STATES,
     RequestRecord,
@@ -106,7 +106,13 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         # ---- owned by the worker ----
         self.scheduler = Scheduler()
-        self.resources = ResourceManager(program, config.max_concurrency)
+        self.resources = ResourceManager(
+            program,
+            config.max_concurrency,
+            prefix_cache=config.prefix_cache,
+            capture_interval=config.capture_interval,
+        )
+        self.cache_resets: list[CacheReset] = []  # asked for, not yet carried out
         prover = program if isinstance(program, BackfillProver) else None
         self.admission = AdmissionPolicy(prover)
         self.committer = Committer(self)
@@ -144,9 +150,19 @@ class EngineCore:
         return self.ingress.failed
 
     def submit(
-        self, prompt: PreparedPromptLike, session: OutputSessionLike, plan: RequestPlan
+        self,
+        prompt: PreparedPromptLike,
+        session: OutputSessionLike,
+        plan: RequestPlan,
+        *,
+        session_id: str | None = None,
+        prefix_cache: bool = True,
     ) -> ResponseChannel:
-        return self.ingress.submit(prompt, session, plan)
+        return self.ingress.submit(prompt, session, plan, session_id=session_id, prefix_cache=prefix_cache)
+
+    def request_cache_reset(self) -> CacheReset:
+        """Drop every inactive checkpoint at the worker's next boundary (`CacheReset.wait`)."""
+        return self.ingress.request_cache_reset()
 
     def settle_dropped_handles(self) -> bool:
         """Release the consumer side of every dropped handle (`Ingress.settle_dropped_handles`); called
@@ -256,6 +272,7 @@ class EngineCore:
             self.scheduler.enqueue(record)
             self.admission.invalidate()
         did |= bool(arrived)
+        did |= self._reset_cache()
         if not self.scheduler.has_waiting:
             return did
         for record in self.scheduler.waiting:
@@ -279,6 +296,19 @@ class EngineCore:
             self.admission.invalidate()
             did = True
         return did
+
+    def _reset_cache(self) -> bool:
+        """Carry out the cache resets asked for: one deletion transition of every inactive checkpoint,
+        once no other transition is open (a materialization's source is pinned until it ends)."""
+        self.cache_resets.extend(self.ingress.take_cache_resets())
+        if not self.cache_resets or self.resources.transition is not None:
+            return False
+        dropped = self.resources.evict_all()
+        resets, self.cache_resets = self.cache_resets, []
+        for reset in resets:
+            reset.done(dropped)
+        self.admission.invalidate()
+        return True
 
     # ---- 2. the open resource transition ----
     def _advance_transition(self) -> bool:
@@ -476,6 +506,13 @@ class EngineCore:
     def _run_prefill(self, record: RequestRecord) -> None:
         handle = self._handle(record)
         budget = self._config.prefill_chunk_tokens
+        assert budget is not None  # the facade resolves it
+        frontier = len(record.plan.prompt_token_ids) - record.prompt_remaining
+        points = record.capture_points
+        while points and points[0] <= frontier:
+            points.pop(0)
+        if points:  # a chunk ends at the next capture point, where the checkpoint is taken
+            budget = min(budget, points[0] - frontier)
         out = self.program.prefill(handle, budget)
         if isinstance(out, PrefillProgress):
             expected_left = record.prompt_remaining - budget
@@ -485,6 +522,9 @@ class EngineCore:
                     f"{record.prompt_remaining} with some left"
                 )
             record.prompt_remaining = out.remaining
+            if points and frontier + out.consumed == points[0]:
+                points.pop(0)
+                self.resources.capture(record)
             return
         self.open_batch = out
         if out.kind != "prefill" or len(out.rows) != 1 or out.rows[0].handle != handle:

@@ -22,6 +22,24 @@ from ninfer.runtime.engine.request_record import RequestRecord, ResponseChannel
 from ninfer.types import Availability, EngineConfig, EngineFailed, RequestRejected
 
 
+class CacheReset:
+    """A cache reset asked for on any thread and carried out by the worker: ``wait`` returns how many
+    checkpoints it dropped."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.dropped = 0
+
+    def done(self, dropped: int) -> None:
+        self.dropped = dropped
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._event.wait(timeout):
+            raise TimeoutError("the Engine worker did not reach a boundary to reset the cache in time")
+        return self.dropped
+
+
 class Ingress:
     """Submission, capacity and availability, shared by every thread (guarded by ``lock``)."""
 
@@ -39,6 +57,7 @@ class Ingress:
         self.failed_reason: str | None = None  # set once, by the worker (`fail`)
         self.closing = False
         self._availability = Availability("starting")
+        self._cache_resets: list[CacheReset] = []
 
     # ---- facts any thread reads ----
     @property
@@ -69,7 +88,13 @@ class Ingress:
 
     # ---- any thread ----
     def submit(
-        self, prompt: PreparedPromptLike, session: OutputSessionLike, plan: RequestPlan
+        self,
+        prompt: PreparedPromptLike,
+        session: OutputSessionLike,
+        plan: RequestPlan,
+        *,
+        session_id: str | None = None,
+        prefix_cache: bool = True,
     ) -> ResponseChannel:
         """Accept a prepared request into the bounded ingress, or reject it at once (overload/failure)."""
         with self.lock:
@@ -97,11 +122,31 @@ class Ingress:
                 plan=plan,
                 channel=channel,
                 deadline=None if timeout is None else self._clock() + timeout,
+                session_id=session_id,
+                prefix_cache=prefix_cache,
             )
             self._arrivals.append(record)
             self._channels[order] = channel
         self.signals.put(None)
         return channel
+
+    def request_cache_reset(self) -> CacheReset:
+        """Ask the worker to drop every inactive checkpoint at its next boundary."""
+        reset = CacheReset()
+        with self.lock:
+            if self.failed_reason is not None or self.closing:
+                reset.done(0)
+                return reset
+            self._cache_resets.append(reset)
+        self.signals.put(None)
+        return reset
+
+    def take_cache_resets(self) -> list[CacheReset]:
+        if not self._cache_resets:  # the unlocked peek, as in `take`
+            return []
+        with self.lock:
+            resets, self._cache_resets = self._cache_resets, []
+        return resets
 
     def _release_capacity(self, request_id: int) -> None:
         with self.lock:
@@ -126,6 +171,9 @@ class Ingress:
         with self.lock:
             arrived = list(self._arrivals)
             self._arrivals.clear()
+            resets, self._cache_resets = self._cache_resets, []
+        for reset in resets:  # nothing is cached once the Engine failed
+            reset.done(0)
         return arrived
 
     def settle_dropped_handles(self) -> tuple[bool, bool]:
@@ -170,7 +218,10 @@ class Ingress:
             if not self.closing or worker_holds_requests or self._arrivals:
                 return False
             self._availability = Availability("closed")
-            return True
+            resets, self._cache_resets = self._cache_resets, []
+        for reset in resets:
+            reset.done(0)
+        return True
 
     def fail(self, reason: str) -> list[RequestRecord] | None:
         """Mark the Engine failed (once): later submits raise, availability says why. Returns the
@@ -182,4 +233,7 @@ class Ingress:
             self._availability = Availability("failed", reason)
             arrived = list(self._arrivals)
             self._arrivals.clear()
+            resets, self._cache_resets = self._cache_resets, []
+        for reset in resets:  # nothing is cached once the Engine failed
+            reset.done(0)
         return arrived

@@ -226,6 +226,13 @@ class RequestRecord:
     # a deferred OutputSession commit failed (Committer.publish_committed): the request ends with this
     # error at its next boundary or unit, as a cancelled row
     output_error: NInferError | None = None
+    # context cache: the session key (a lookup hint), whether the request takes part at all, the prompt
+    # positions still to capture at, and whether its committed output so far ends at a point the history
+    # renderer reproduces (the Frontend's boundary at the end of its last committed span)
+    session_id: str | None = None
+    prefix_cache: bool = True
+    capture_points: list[int] = field(default_factory=list)
+    output_reproducible: bool = False
 
     @property
     def remaining_budget(self) -> int:

@@ -1,9 +1,10 @@
-"""ResourceManager: logical lanes, the checkpoint catalog, and adoption of Program ResourceResults.
+"""ResourceManager: logical lanes, the context cache's catalog and policy, and adoption of Program results.
 
-It decides logical cache policy (which candidates to offer, retain or release at finish) and keeps the
-logical view of every transition; it never mirrors bytes, page counts or allocator free space, which the
-Program alone owns. Every physical change reaches it as one complete ``ResourceResult`` that it adopts
-whole, or the adoption invariant is broken and the Engine fails.
+It decides logical cache policy (which candidates to offer, where to capture, retain or release at the
+end, which checkpoints to give up first) and keeps the logical view of every transition; it never
+mirrors bytes, page counts or allocator free space, which the Program alone owns. Every physical change
+reaches it as one complete ``ResourceResult`` that it adopts whole, or the adoption invariant is broken
+and the Engine fails. The catalog itself is `context_cache.ContextCache`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Literal
 
 from ninfer.runtime.contract.types import (
     Blocked,
-    CheckpointEntry,
+    CheckpointProgram,
     Infeasible,
     Program,
     ResourcePlan,
     ResourceResult,
     RunningTransaction,
 )
+from ninfer.runtime.engine.context_cache import ContextCache
 from ninfer.runtime.engine.request_record import RequestRecord
 
 TerminalChoice = Literal["retain", "release"]
@@ -47,15 +49,30 @@ class Lane:
 
 
 class ResourceManager:
-    """Lanes (Free -> Materializing -> Active -> TerminalPending -> Free), the catalog, the one transition."""
+    """Lanes (Free -> Materializing -> Active -> TerminalPending -> Free), the catalog, the one transition.
 
-    def __init__(self, program: Program, lanes: int) -> None:
+    ``prefix_cache`` turns the context cache on (a Program without the checkpoint capability has none);
+    ``capture_interval``: prompt tokens between two captures of a long prompt."""
+
+    def __init__(
+        self, program: Program, lanes: int, *, prefix_cache: bool = False, capture_interval: int = 8192
+    ) -> None:
         self._program = program
         self.lanes = [Lane(i) for i in range(lanes)]
-        self.catalog: dict[int, CheckpointEntry] = {}  # checkpoint_id -> entry (empty until the cache)
+        checkpoints = program if isinstance(program, CheckpointProgram) else None
+        self._checkpoints = checkpoints if prefix_cache else None
+        self.cache = ContextCache(
+            enabled=self._checkpoints is not None,
+            salt=checkpoints.prefix_salt if checkpoints is not None else "",
+            capture_interval=capture_interval,
+        )
         self.transition: RequestRecord | None = None  # owner of the one open global transition
         self.adopted: list[ResourceResult] = []  # adoption log (bounded by tests; diagnostics)
         self.resource_revision = program.resource_revision
+
+    @property
+    def catalog(self) -> dict[int, object]:
+        return {checkpoint_id: cached.entry for checkpoint_id, cached in self.cache.entries.items()}
 
     # ---- lanes ----
     def free_lane(self) -> Lane | None:
@@ -78,14 +95,15 @@ class ResourceManager:
         if to is LaneState.FREE:
             lane.request_id = None
 
-    # ---- cache policy (empty catalog today) ----
-    def candidates_for(self, record: RequestRecord) -> tuple[CheckpointEntry, ...]:
-        """Checkpoint sources to offer the Program for this request, best first (none until the cache)."""
-        return tuple(e for e in self.catalog.values() if e.prefix_digest == record.plan.content_digest)
-
     # ---- materialization ----
     def plan(self, record: RequestRecord) -> ResourcePlan | Blocked | Infeasible:
-        return self._program.plan_materialization(record.plan, self.candidates_for(record))
+        """The Program's plan for the head: the sources its prompt can continue, and the checkpoints it
+        may evict, least valuable first."""
+        cache = self.cache
+        if not cache.enabled:
+            return self._program.plan_materialization(record.plan)
+        candidates = cache.candidates(record)
+        return self._program.plan_materialization(record.plan, candidates, cache.evictable())
 
     def begin(self, record: RequestRecord, plan: ResourcePlan) -> None:
         """Claim a lane and start the transaction (``StalePlan`` propagates with nothing claimed)."""
@@ -117,10 +135,15 @@ class ResourceManager:
             raise EngineInvariantError(
                 f"reused_prefix_tokens {result.reused_prefix_tokens} outside [0, {prompt_len})"
             )
-        self._adopt(result)
+        if result.reused_prefix_tokens and txn.plan.source_checkpoint not in self.cache.entries:
+            raise EngineInvariantError(f"materialized from unknown checkpoint {txn.plan.source_checkpoint}")
+        self._adopt(result, record)
         self._move(self.lane_of(record), LaneState.MATERIALIZING, LaneState.ACTIVE)
         record.handle = result.handle
         record.reused_prefix_tokens = result.reused_prefix_tokens
+        if result.reused_prefix_tokens:
+            self.cache.continued(txn.plan.source_checkpoint, result.reused_prefix_tokens)
+        record.capture_points = self.cache.capture_points(record, result.reused_prefix_tokens)
         return result
 
     def abort(self, record: RequestRecord) -> ResourceResult:
@@ -130,7 +153,7 @@ class ResourceManager:
         self._end_transition(record)
         if result.kind != "aborted":
             raise EngineInvariantError(f"abort returned {result.kind}")
-        self._adopt(result)
+        self._adopt(result, record)
         self._move(self.lane_of(record), LaneState.MATERIALIZING, LaneState.FREE)
         record.lane = None
         return result
@@ -146,42 +169,87 @@ class ResourceManager:
         self.transition = None
         record.txn = None
 
+    # ---- capture ----
+    def capture(self, record: RequestRecord) -> bool:
+        """An active-checkpoint transition at the request's frontier (a capture point of its prompt);
+        skipped while another transition is open. Returns whether a checkpoint was published."""
+        if self._checkpoints is None or self.transition is not None or record.handle is None:
+            return False
+        result = self._checkpoints.capture(record.handle, self.cache.evictable())
+        if result.kind != "captured":
+            raise EngineInvariantError(f"capture returned {result.kind}")
+        self._adopt(result, record)
+        return bool(result.published)
+
     # ---- terminal ----
     def enter_terminal(self, record: RequestRecord) -> None:
         self._move(self.lane_of(record), LaneState.ACTIVE, LaneState.TERMINAL_PENDING)
 
     def terminal_choice(self, record: RequestRecord) -> TerminalChoice:
-        """The terminal policy: retain the finished sequence as a checkpoint, or release it. Release
-        until the context cache exists (issue: prefix and session reuse)."""
+        """Retain a turn that ended normally and whose output the history renderer reproduces (the
+        Frontend's boundary at its end), while no other transition is open; release everything else
+        (cancelled, failed, unreproducible turns): never a checkpoint from a cancelled or incomplete state."""
+        if (
+            self._checkpoints is not None
+            and self.cache.uses_cache(record)
+            and self.transition is None
+            and record.finish_reason in ("stop", "length")
+            and record.output_error is None
+            and record.output_reproducible
+        ):
+            return "retain"
         return "release"
 
     def settle_terminal(self, record: RequestRecord) -> ResourceResult:
         """The terminal resource transition of a TerminalPending request: the policy's choice, carried
-        out by the Program, its complete result adopted; the lane becomes Free."""
+        out by the Program (a retain it cannot complete ends as a release), its complete result adopted;
+        the lane becomes Free."""
         handle = record.handle
         if handle is None:
             raise EngineInvariantError(f"request {record.request_id} has no sequence to release")
         choice = self.terminal_choice(record)
-        result = self._program.release(handle)
-        if result.kind != "released" or result.handle != handle:
+        if choice == "retain":
+            assert self._checkpoints is not None
+            result = self._checkpoints.retain(handle, self.cache.evictable())
+        else:
+            result = self._program.release(handle)
+        if result.kind not in ("retained", "released") or result.handle != handle:
             raise EngineInvariantError(f"the terminal {choice} returned {result.kind} for {result.handle}")
-        self._adopt(result)
+        if result.kind == "retained" and (choice != "retain" or len(result.published) != 1):
+            raise EngineInvariantError("a retain publishes exactly one checkpoint")
+        self._adopt(result, record, private=record.session_id is not None)
         self._move(self.lane_of(record), LaneState.TERMINAL_PENDING, LaneState.FREE)
         record.lane = None
         record.handle = None
         return result
 
+    # ---- eviction ----
+    def evict_all(self) -> int:
+        """A placement transition that removes every inactive checkpoint (a cache reset); returns how
+        many. Skipped (0) while another transition is open."""
+        if self._checkpoints is None or self.transition is not None or not self.cache.entries:
+            return 0
+        result = self._checkpoints.evict(self.cache.all_ids())
+        if result.kind != "evicted":
+            raise EngineInvariantError(f"evict returned {result.kind}")
+        self._adopt(result)
+        return len(result.removed)
+
     # ---- adoption ----
-    def _adopt(self, result: ResourceResult) -> None:
+    def _adopt(
+        self, result: ResourceResult, record: RequestRecord | None = None, *, private: bool = False
+    ) -> None:
         for checkpoint_id in result.removed:
-            if self.catalog.pop(checkpoint_id, None) is None:
+            if checkpoint_id not in self.cache.entries:
                 raise EngineInvariantError(f"result removes unknown checkpoint {checkpoint_id}")
         for entry in result.published:
-            if entry.checkpoint_id in self.catalog:
+            if entry.checkpoint_id in self.cache.entries:
                 raise EngineInvariantError(f"checkpoint {entry.checkpoint_id} published twice")
-            self.catalog[entry.checkpoint_id] = entry
+        if (result.published or result.removed) and not self.cache.enabled:
+            raise EngineInvariantError("a checkpoint change without the context cache")
         if result.resource_revision < self.resource_revision:
             raise EngineInvariantError("resource_revision went backwards")
+        self.cache.adopt(result, record, private=private)
         self.resource_revision = result.resource_revision
         self.adopted.append(result)
         if len(self.adopted) > 64:
@@ -192,5 +260,5 @@ class ResourceManager:
         for lane in self.lanes:
             lane.state = LaneState.FREE
             lane.request_id = None
-        self.catalog.clear()
+        self.cache.clear()
         self.transition = None

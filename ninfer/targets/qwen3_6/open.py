@@ -16,6 +16,7 @@ from ninfer.targets.open import OpenedTarget, prefill_unit, resolve_device, reso
 from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources
 from ninfer.targets.qwen3_6.impl.runtime.backends import DecodeBackend
+from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.types import EngineConfig
@@ -23,6 +24,10 @@ from ninfer.types import EngineConfig
 # Without an explicit max_context a Program holds this many positions per request (bounded so the
 # default KV pool stays small; the model itself allows variant.max_position_embeddings).
 DEFAULT_MAX_CONTEXT = 32768
+# the context cache's default share of the device memory left after the lanes and the working space, and
+# its most checkpoint state slots (each holds every GDN layer's recurrent state of one frontier)
+CUDA_CACHE_SHARE = 0.4
+MAX_CHECKPOINT_SLOTS = 64
 
 
 def frontend_from_artifact(artifact: Any, variant: Variant) -> Frontend:
@@ -100,11 +105,16 @@ def build_program(
     backend = decode_backend(config, lookahead)
     # every lane can reach max_context, plus the positions a verify writes past its last token
     pages_per_seq = -(-(max_context + backend.extra_tokens) // config.page_size)
+    lane_slots = backend.slots_per_sequence * config.max_concurrency
+    lane_pages = pages_per_seq * config.max_concurrency
+    _check_state_memory(variant, config, device, dtype, lane_slots, lane_pages, max_context)
+    cache_slots, cache_pages = cache_resources(variant, config, device, dtype, lane_slots, lane_pages)
     program_config = ProgramConfig(
         max_concurrency=config.max_concurrency,
         max_context=max_context,
         page_size=config.page_size,
-        kv_pages=pages_per_seq * config.max_concurrency,
+        kv_pages=lane_pages + cache_pages,
+        checkpoint_slots=cache_slots,
         device=device,
         dtype=dtype,
         cuda_graphs=config.cuda_graphs,
@@ -112,7 +122,6 @@ def build_program(
         decode_lookahead=lookahead,
         max_image_tokens=config.max_image_tokens if variant.vision is not None else 0,
     )
-    _check_state_memory(variant, config, program_config, max_context, backend.slots_per_sequence)
     return Qwen36Program(variant, view, program_config, backend=backend)
 
 
@@ -146,25 +155,58 @@ def state_bytes(variant: Variant, num_slots: int, num_pages: int, page_size: int
     return conv + rec + kv
 
 
+def working_space(config: EngineConfig, device: torch.device, max_image_tokens: int) -> int:
+    """Bytes to leave free beside the StateStore: activations (they grow with the prefill unit),
+    sampling and graph pools, 2 GiB per 2048-token unit; the vision tower's, about 32 KiB per patch (4
+    patches per image token) at its widest layer."""
+    chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
+    return 2 * 2**30 * max(1, -(-chunk // 2048)) + max_image_tokens * 4 * 32 * 2**10
+
+
+def cache_resources(
+    variant: Variant, config: EngineConfig, device: torch.device, dtype: torch.dtype, lane_slots: int,
+    lane_pages: int,
+) -> tuple[int, int]:  # fmt: skip
+    """State slots and KV pages for the context cache beyond the lanes' own (docs/resources-and-context-
+    cache.md, "Sizing"): ``cache_memory_gb``, else on CUDA a share of the memory left free after the
+    lanes and the working space, on CPU four times the lanes' state (at most 1 GiB). A quarter of the
+    bytes goes to checkpoint state slots (at most ``MAX_CHECKPOINT_SLOTS``), the rest to KV pages."""
+    if not config.prefix_cache:
+        return 0, 0
+    slot = StateStore.slot_bytes(variant, dtype)
+    page = StateStore.page_bytes(variant, config.page_size, dtype)
+    if config.cache_memory_gb is not None:
+        budget = int(config.cache_memory_gb * 2**30)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        lanes = lane_slots * slot + lane_pages * page
+        working = working_space(config, device, config.max_image_tokens if variant.vision else 0)
+        budget = int(CUDA_CACHE_SHARE * max(0, free - lanes - working))
+    else:
+        budget = min(2**30, 4 * (lane_slots * slot + lane_pages * page))
+    slots = min(MAX_CHECKPOINT_SLOTS, budget // 4 // slot)
+    return slots, max(0, (budget - slots * slot) // page)
+
+
 def _check_state_memory(
-    variant: Variant, config: EngineConfig, program: Any, max_context: int, slots_per_sequence: int
-) -> None:
-    """Refuse, with the flags to change, a KV pool that cannot fit next to the weights."""
-    device = program.device
+    variant: Variant, config: EngineConfig, device: torch.device, dtype: torch.dtype, lane_slots: int,
+    lane_pages: int, max_context: int,
+) -> None:  # fmt: skip
+    """Refuse, with the flags to change, a lane KV pool (and an explicit cache budget) that cannot fit
+    next to the weights."""
     if device.type != "cuda":
         return
-    slots = slots_per_sequence * program.max_concurrency
-    need = state_bytes(variant, slots, program.kv_pages, program.page_size, program.dtype)
+    need = state_bytes(variant, lane_slots, lane_pages, config.page_size, dtype)
+    cache = int(config.cache_memory_gb * 2**30) if config.prefix_cache and config.cache_memory_gb else 0
     free, _ = torch.cuda.mem_get_info(device)
-    # activations (they grow with the prefill unit), sampling and graph pools: 2 GiB per 2048-token unit;
-    # the vision tower's: about 32 KiB per patch (4 patches per image token) at its widest layer
-    chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
-    headroom = 2 * 2**30 * max(1, -(-chunk // 2048)) + program.max_image_tokens * 4 * 32 * 2**10
-    if need + headroom > free:
+    image_tokens = config.max_image_tokens if variant.vision is not None else 0
+    headroom = working_space(config, device, image_tokens)
+    if need + cache + headroom > free:
         gib = 2**30
+        chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
         raise ValueError(
             f"the KV pool for max_context={max_context} x max_concurrency={config.max_concurrency} needs "
-            f"{need / gib:.1f} GiB (+{headroom / gib:.0f} GiB working space for {chunk}-token prefill "
-            f"units) but {free / gib:.1f} GiB is free after the weights; lower --max-context or "
-            "--max-concurrency"
+            f"{need / gib:.1f} GiB (+{cache / gib:.1f} GiB context cache, +{headroom / gib:.0f} GiB working "
+            f"space for {chunk}-token prefill units) but {free / gib:.1f} GiB is free after the weights; "
+            "lower --max-context, --max-concurrency or --cache-memory-gb"
         )
