@@ -21,6 +21,7 @@ from ninfer.types import EngineFailed, NInferError, RequestFailed, RequestReject
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    408: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -89,12 +90,13 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def from_engine_error(exc: NInferError, retry_after_s: int) -> ServeError:
-    """Map an Engine error to its HTTP answer (429 and queue timeouts carry ``Retry-After``)."""
+def from_engine_error(exc: NInferError, retry_after_s: int, param: str | None = None) -> ServeError:
+    """Map an Engine error to its HTTP answer (429 and queue timeouts carry ``Retry-After``); ``param``
+    is the request field it is about, when the gateway knows it."""
     if isinstance(exc, RequestRejected):
         status, code = REJECT_STATUS.get(exc.kind, (400, exc.kind))
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
-        return ServeError(status, exc.message, code=code, headers=headers)
+        return ServeError(status, exc.message, code=code, param=param, headers=headers)
     if isinstance(exc, EngineFailed):
         return ServeError(
             503,
@@ -128,7 +130,7 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     return "; ".join(lines), first
 
 
-def install_error_handlers(app: FastAPI, count: Callable[[str, str], None]) -> None:
+def install_error_handlers(app: FastAPI, count: Callable[[str, str], None], max_body_bytes: int) -> None:
     """Route schema violations (FastAPI's 422), HTTP errors, gateway errors and anything unexpected to
     the OpenAI shape; ``count(endpoint, outcome)`` records requests refused before any handler ran."""
 
@@ -142,9 +144,16 @@ def install_error_handlers(app: FastAPI, count: Callable[[str, str], None]) -> N
         count(request.url.path, "invalid")
         return ServeError(400, message, code="invalid_request", param=param).response()
 
-    async def on_http(_: Request, exc: Exception) -> Response:
+    async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         headers = dict(exc.headers or {})
+        if exc.status_code == 413:  # FastAPI's body limit, before any byte was parsed
+            count(request.url.path, "invalid")
+            message = (
+                f"the request body is larger than this server's limit of {max_body_bytes} bytes; send less, "
+                "or start the server with a larger --max-body-bytes"
+            )
+            return ServeError(413, message, code="body_too_large", headers=headers).response()
         return ServeError(exc.status_code, str(exc.detail), headers=headers).response()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

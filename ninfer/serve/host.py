@@ -35,6 +35,16 @@ class ServeFrontend(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def min_tokens(self, n_bytes: int) -> int: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str: ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     def prepare_tokens(self, ids: Sequence[int]) -> Any: ...

@@ -1,0 +1,152 @@
+"""Bounds on the work one request may cause before it reaches the Engine, and on how long a client may
+take to send it.
+
+- ``RequestLimits``: body bytes (413, enforced by FastAPI's ``max_body_size`` before anything is parsed),
+  JSON nesting depth, items per list or object, and objects/lists per body (400 naming the field).
+- ``parse_json_body``: parse, check those bounds and validate against the route's pydantic model in one
+  call, which the route runs on a worker thread for large bodies, so the event loop (``/health`` and every
+  other request) never waits for one request's parsing.
+- ``BodyTimeoutMiddleware``: a request body must arrive within ``body_timeout_s`` of its headers (408,
+  connection closed). The header deadline and the connection cap live in ``server.py`` (uvicorn's
+  protocol and ``limit_concurrency``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ninfer.serve.errors import ServeError
+
+MIB = 1 << 20
+# bodies up to this size are parsed on the event loop: a thread hop costs more than parsing them
+INLINE_PARSE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Defaults are far beyond any real request (a 262,144-token prompt as token ids is ~1.8 MB of JSON, a
+    deep tool schema ~15 levels) and small enough that parsing and validating the largest allowed body
+    takes well under a second of one core."""
+
+    max_body_bytes: int = 32 * MIB
+    max_json_depth: int = 64
+    max_items: int = 1 << 20  # per list or object
+    max_containers: int = 1 << 16  # objects and lists in one body (pydantic's cost grows with them)
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_items", "max_containers", "max_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+
+
+def json_path(path: Sequence[str | int]) -> str:
+    """``("tools", 0, "function")`` -> ``tools[0].function`` (the form error messages use)."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def check_json_shape(value: Any, limits: RequestLimits) -> None:
+    """Refuse (400, ``param`` the offending field's path) nesting deeper than ``max_json_depth``, a list
+    or object of more than ``max_items`` entries, or more than ``max_containers`` lists and objects. Walks
+    without recursion, so any depth orjson accepts is refused cleanly."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    containers = 0
+    while stack:
+        node, path = stack.pop()
+        containers += 1
+        where = json_path(path)
+        if len(path) >= limits.max_json_depth:
+            raise _shape_error(f"{where}: nested deeper than {limits.max_json_depth} levels", path)
+        if containers > limits.max_containers:
+            raise _shape_error(
+                f"{where}: the body holds more than {limits.max_containers} objects and lists; send fewer",
+                path,
+            )
+        if len(node) > limits.max_items:
+            raise _shape_error(
+                f"{where}: {len(node)} entries, more than the {limits.max_items} one list or object may hold",
+                path,
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(child, (dict, list)):
+                stack.append((child, (*path, key)))
+
+
+def _shape_error(message: str, path: tuple[str | int, ...]) -> ServeError:
+    return ServeError(400, message, code="invalid_request", param=json_path(path))
+
+
+def parse_json_body(body: bytes, model: type[BaseModel] | None, limits: RequestLimits) -> Any:
+    """The body parsed, shape-checked and (with ``model``) validated. Raises RequestValidationError (as
+    FastAPI would: malformed JSON, schema violations) or ServeError (shape limits)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
+        raise RequestValidationError([{**error, "ctx": {"error": exc.msg}}]) from None
+    if isinstance(data, (dict, list)):
+        check_json_shape(data, limits)
+    if model is None:
+        return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_context=True)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+class BodyTimeoutMiddleware:
+    """A request's body must be complete within ``timeout_s`` of its headers; a slower sender gets 408
+    and its connection is closed. Only body reads are bounded: once the body is in, ``receive`` (which
+    streaming responses use to notice a disconnect) waits as long as the response lasts."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        body_done = False
+
+        async def receive_in_time() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise ServeError(
+                    408,
+                    f"the request body did not arrive within {self.timeout_s:g} s of its headers; send it "
+                    "faster (the server's --body-timeout)",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, receive_in_time, send)
