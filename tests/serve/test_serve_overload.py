@@ -216,5 +216,6 @@ def test_api_key(frontend: Frontend) -> None:
             assert httpx.get(server.url + probe).status_code == 200
         for closed in ("/metrics", "/docs", "/openapi.json"):  # only the probes are open by default
             assert httpx.get(server.url + closed).status_code == 401
-            assert httpx.get(server.url + closed, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            authorized = httpx.get(server.url + closed, headers={"Authorization": "Bearer s3cret"})
+            assert authorized.status_code == 200
         assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
