@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,7 +31,7 @@ from ninfer.serve.completions import CompletionsHandler
 from ninfer.serve.errors import ServeError, install_error_handlers
 from ninfer.serve.gateway import Gateway, ServeConfig
 from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
-from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyTimeoutMiddleware, RequestLimits, parse_json_body
+from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyGuardMiddleware, RequestLimits, parse_json_body
 from ninfer.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -103,7 +104,11 @@ def route_class(limits: RequestLimits) -> type[APIRoute]:
             async def route(request: Request) -> Response:
                 request = ORJSONRequest(request.scope, request.receive)
                 if self.body_field is not None and _is_json(request.headers.get("content-type")):
-                    body = await request.body()
+                    try:
+                        body = await request.body()
+                    except ClientDisconnect:  # gone while sending: nobody to answer, nothing to run
+                        request.app.state.gateway.count(request.url.path, "cancelled")
+                        return ServeError(499, "client closed the request").response()
                     if body:
                         parse = functools.partial(parse_json_body, body, model, limits)
                         big = len(body) > INLINE_PARSE_BYTES
@@ -188,10 +193,9 @@ def create_app(
         summary="OpenAI-compatible HTTP gateway over one NInfer Engine",
         version="0.1.0",
         lifespan=lifespan,
-        max_body_size=limits.max_body_bytes,  # 413 from the Content-Length, or as the bytes arrive
     )
     app.state.gateway = gateway
-    install_error_handlers(app, gateway.count, limits.max_body_bytes)
+    install_error_handlers(app, gateway.count)
 
     async def counted(endpoint: str, work: Awaitable[T]) -> T:
         """Count errors raised before a request reached the Engine (after that, the run counts them)."""
@@ -298,5 +302,10 @@ def create_app(
             on_reject=lambda path: gateway.count(path, "unauthorized"),
             open_paths=OPEN_PATHS | ({METRICS_PATH} if config.public_metrics else set()),
         )
-    app.add_middleware(BodyTimeoutMiddleware, timeout_s=limits.body_timeout_s)  # outermost: from the headers
+    app.add_middleware(  # outermost: the size and time bounds run from the headers, before the key check
+        BodyGuardMiddleware,
+        max_bytes=limits.max_body_bytes,
+        timeout_s=limits.body_timeout_s,
+        on_reject=lambda path: gateway.count(path, "invalid"),
+    )
     return app

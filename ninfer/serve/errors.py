@@ -130,7 +130,7 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     return "; ".join(lines), first
 
 
-def install_error_handlers(app: FastAPI, count: Callable[[str, str], None], max_body_bytes: int) -> None:
+def install_error_handlers(app: FastAPI, count: Callable[[str, str], None]) -> None:
     """Route schema violations (FastAPI's 422), HTTP errors, gateway errors and anything unexpected to
     the OpenAI shape; ``count(endpoint, outcome)`` records requests refused before any handler ran."""
 
@@ -144,16 +144,9 @@ def install_error_handlers(app: FastAPI, count: Callable[[str, str], None], max_
         count(request.url.path, "invalid")
         return ServeError(400, message, code="invalid_request", param=param).response()
 
-    async def on_http(request: Request, exc: Exception) -> Response:
+    async def on_http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         headers = dict(exc.headers or {})
-        if exc.status_code == 413:  # FastAPI's body limit, before any byte was parsed
-            count(request.url.path, "invalid")
-            message = (
-                f"the request body is larger than this server's limit of {max_body_bytes} bytes; send less, "
-                "or start the server with a larger --max-body-bytes"
-            )
-            return ServeError(413, message, code="body_too_large", headers=headers).response()
         return ServeError(exc.status_code, str(exc.detail), headers=headers).response()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

@@ -1,12 +1,13 @@
 """Bounds on the work one request may cause before it reaches the Engine, and on how long a client may
 take to send it.
 
-- ``RequestLimits``: body bytes (413, enforced by FastAPI's ``max_body_size`` before anything is parsed),
-  JSON nesting depth, items per list or object, and objects/lists per body (400 naming the field).
+- ``RequestLimits``: body bytes (413 before anything is parsed), JSON nesting depth, items per list or
+  object, and objects/lists per body (400 naming the field).
 - ``parse_json_body``: parse, check those bounds and validate against the route's pydantic model in one
   call, which the route runs on a worker thread for large bodies, so the event loop (``/health`` and every
   other request) never waits for one request's parsing.
-- ``BodyTimeoutMiddleware``: a request body must arrive within ``body_timeout_s`` of its headers (408,
+- ``BodyGuardMiddleware``: the body size limit (413 in the OpenAI error shape: Starlette's own body
+  limit answers in plain text), and a body must arrive within ``body_timeout_s`` of its headers (408,
   connection closed). The header deadline and the connection cap live in ``server.py`` (uvicorn's
   protocol and ``limit_concurrency``).
 """
@@ -14,13 +15,14 @@ take to send it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ninfer.serve.errors import ServeError
@@ -114,25 +116,45 @@ def parse_json_body(body: bytes, model: type[BaseModel] | None, limits: RequestL
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
-class BodyTimeoutMiddleware:
-    """A request's body must be complete within ``timeout_s`` of its headers; a slower sender gets 408
-    and its connection is closed. Only body reads are bounded: once the body is in, ``receive`` (which
-    streaming responses use to notice a disconnect) waits as long as the response lasts."""
+def body_too_large(max_bytes: int) -> ServeError:
+    return ServeError(
+        413,
+        f"the request body is larger than this server's limit of {max_bytes} bytes; send less, or start "
+        "the server with a larger --max-body-bytes",
+        code="body_too_large",
+    )
 
-    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+
+class BodyGuardMiddleware:
+    """A request body may hold at most ``max_bytes`` and must be complete within ``timeout_s`` of its
+    headers. A ``Content-Length`` over the limit is answered 413 before the app runs (no byte read); a
+    body that grows past it without one is cut off at the limit (413); a slower sender gets 408 and its
+    connection is closed. Only body reads are bounded: once the body is in, ``receive`` (which streaming
+    responses use to notice a disconnect) waits as long as the response lasts."""
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, timeout_s: float, on_reject: Callable[[str], None]
+    ) -> None:
         self.app = app
+        self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            self.on_reject(scope["path"])
+            await body_too_large(self.max_bytes).response()(scope, receive, send)
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        body_done = False
+        body_done, received = False, 0
 
-        async def receive_in_time() -> Message:
-            nonlocal body_done
+        async def guarded_receive() -> Message:
+            nonlocal body_done, received
             if body_done:
                 return await receive()
             try:
@@ -145,8 +167,14 @@ class BodyTimeoutMiddleware:
                     code="request_timeout",
                     headers={"Connection": "close"},
                 ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    error = body_too_large(self.max_bytes)
+                    error.headers["Connection"] = "close"  # the rest is not read
+                    raise error
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
 
-        await self.app(scope, receive_in_time, send)
+        await self.app(scope, guarded_receive, send)
