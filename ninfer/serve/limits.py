@@ -15,6 +15,7 @@ take to send it.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,13 +42,21 @@ class RequestLimits:
     max_body_bytes: int = 32 * MIB
     max_json_depth: int = 64
     max_items: int = 1 << 20  # per list or object
-    max_containers: int = 1 << 16  # objects and lists in one body (pydantic's cost grows with them)
+    max_containers: int = 1 << 16  # objects and lists in one body (parsing and pydantic cost grow with them)
+    max_values: int = 1 << 23  # values in lists and objects of one body, counted before parsing
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     max_connections: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_items", "max_containers", "max_connections"):
+        for name in (
+            "max_body_bytes",
+            "max_json_depth",
+            "max_items",
+            "max_containers",
+            "max_values",
+            "max_connections",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -97,9 +106,35 @@ def _shape_error(message: str, path: tuple[str | int, ...]) -> ServeError:
     return ServeError(400, message, code="invalid_request", param=json_path(path))
 
 
+# a JSON string (unrolled, so a long string is one fast scan); what is left is the document's structure
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def check_json_size(body: bytes, limits: RequestLimits) -> None:
+    """Refuse, before parsing, a body with more lists and objects or more values than the limits allow:
+    the parser holds the GIL while it builds them (a million one-item lists take it for a second).
+    Counting brackets and commas is one pass; only when that count is over a limit are the strings taken
+    out (their brackets and commas are text) and the structure counted exactly."""
+    if body.count(b"[") + body.count(b"{") <= limits.max_containers and body.count(b",") < limits.max_values:
+        return
+    structure = _JSON_STRING.sub(b"", body)
+    containers = structure.count(b"[") + structure.count(b"{")
+    if containers > limits.max_containers:
+        raise _shape_error(
+            f"the body holds {containers} objects and lists, more than {limits.max_containers}; send fewer",
+            (),
+        )
+    values = structure.count(b",") + 1
+    if values > limits.max_values:
+        raise _shape_error(
+            f"the body holds about {values} values, more than {limits.max_values}; send fewer", ()
+        )
+
+
 def parse_json_body(body: bytes, model: type[BaseModel] | None, limits: RequestLimits) -> Any:
-    """The body parsed, shape-checked and (with ``model``) validated. Raises RequestValidationError (as
-    FastAPI would: malformed JSON, schema violations) or ServeError (shape limits)."""
+    """The body size-checked, parsed, shape-checked and (with ``model``) validated. Raises
+    RequestValidationError (as FastAPI would: malformed JSON, schema violations) or ServeError (limits)."""
+    check_json_size(body, limits)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
