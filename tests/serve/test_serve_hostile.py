@@ -103,10 +103,10 @@ def test_json_limits_name_the_field_and_stop_exactly_at_the_bound(frontend: Fron
         assert "11 entries, more than the 10" in many.json()["error"]["message"]
         assert chat(stop=list("abcdefghij")).status_code == 200
         tool = {"type": "function", "function": {"name": "f", "parameters": {k: {} for k in "abcdef"}}}
-        body = {"messages": [{"role": "user", "content": "a"}] * 10, "tools": [tool]}  # 21 containers
+        body = {"messages": [{"role": "user", "content": "a"}] * 10, "tools": [tool]}  # 22 containers
         containers = post(content=json.dumps(body))
         assert containers.status_code == 400
-        assert "more than 20 objects and lists" in containers.json()["error"]["message"]
+        assert "22 objects and lists, more than 20" in containers.json()["error"]["message"]
         head = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1'
         exactly = head + b" " * (4000 - len(head) - 1) + b"}"  # JSON whitespace up to the limit
         assert len(exactly) == 4000 and post(content=exactly).status_code == 200
