@@ -107,6 +107,11 @@ def test_json_limits_name_the_field_and_stop_exactly_at_the_bound(frontend: Fron
         containers = post(content=json.dumps(body))
         assert containers.status_code == 400
         assert "22 objects and lists, more than 20" in containers.json()["error"]["message"]
+        # brackets and commas inside strings are text, not structure: this counts as 4 containers
+        brackets = post(
+            content=json.dumps({"messages": [{"role": "user", "content": "[{," * 30}], "max_tokens": 1})
+        )
+        assert brackets.status_code == 200, brackets.text
         head = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1'
         exactly = head + b" " * (4000 - len(head) - 1) + b"}"  # JSON whitespace up to the limit
         assert len(exactly) == 4000 and post(content=exactly).status_code == 200
