@@ -49,10 +49,12 @@ class Artifact:
     """An open `.ninfer` file. Use `Artifact.open`; close it (or use ``with``) when done."""
 
     def __init__(self, path: str, format_version: int, payload_offset: int, header: Header,
-                 mapping: mmap.mmap) -> None:
+                 mapping: mmap.mmap, header_end: int | None = None) -> None:
         self.path = path
         self.format_version = format_version
         self.payload_offset = payload_offset
+        # end of the JSON header: the zero padding that follows it runs to payload_offset
+        self.header_end = payload_offset if header_end is None else header_end
         self._header = header
         self._mmap: mmap.mmap | None = mapping
         self._by_name: dict[str, TensorDescriptor] = {t.name: t for t in header.tensors}
@@ -112,7 +114,7 @@ class Artifact:
                 raise ArtifactError(path, f"{size - expected} unexpected bytes after the payload end "
                                     f"(byte {expected})")
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # keeps its own fd
-        artifact = cls(path, version, payload_offset, header, mapping)
+        artifact = cls(path, version, payload_offset, header, mapping, PREFIX_SIZE + json_len)
         if verify:
             artifact.verify()
         return artifact
@@ -191,10 +193,13 @@ class Artifact:
         return data
 
     def verify(self, progress: bool = False) -> None:
-        """Check every tensor and resource checksum; raise ChecksumMismatchError naming the first bad one.
+        """Check every byte of the file: every tensor and resource checksum (ChecksumMismatchError naming
+        the first bad one) and that the padding after the JSON header and between blobs is zero
+        (CorruptHeaderError naming the offset). The fixed and JSON headers were checked on open.
 
         Blobs are hashed on a few threads (zlib releases the GIL); ``progress`` draws a tqdm bar on stderr.
         """
+        self._check_padding()
         from tqdm import tqdm
 
         mapping = self._mapping()
@@ -229,6 +234,27 @@ class Artifact:
                 self.path, f"checksum mismatch (stored {stored}, computed {got}){others}",
                 **{kind: name},
             )
+
+    def _check_padding(self) -> None:
+        """Every byte no blob covers, from the JSON header's end to the payload's, is zero."""
+        mapping = self._mapping()
+        spans = sorted(
+            (self.payload_offset + b.offset, self.payload_offset + b.offset + b.nbytes, b.name)
+            for b in [*self._header.frontend.values(), *self._header.tensors] if b.nbytes
+        )
+        cursor, after = self.header_end, "the JSON header"
+        for start, end, name in [*spans, (self.file_bytes, self.file_bytes, "")]:
+            if start > cursor:
+                with memoryview(mapping) as whole, whole[cursor:start] as gap:
+                    data = gap.tobytes()
+                stripped = data.lstrip(b"\0")
+                if stripped:
+                    at = cursor + len(data) - len(stripped)
+                    raise CorruptHeaderError(
+                        self.path, f"padding byte at file offset {at} (after {after}) is 0x{stripped[0]:02x} "
+                        "(not zero): the file was altered after it was written",
+                    )
+            cursor, after = max(cursor, end), repr(name)
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -23,7 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ninfer.cli.common import add_engine_flags, fail, interactive_engine_config, split_artifact
+from ninfer.cli.common import (
+    add_engine_flags,
+    check_text,
+    fail,
+    interactive_engine_config,
+    product_errors,
+    split_artifact,
+)
 
 if TYPE_CHECKING:  # the CLI imports the Engine lazily, so `ninfer --help` stays fast
     from ninfer import Engine, GenerationDelta, GenerationRequest, GenerationResult
@@ -245,6 +252,7 @@ class ChatSession:
         self.sampling = sampling_options(args)
         self.verbose = args.verbose
         self.terminal_out = sys.stdout.isatty()
+        self.bad_input = False  # a turn was refused as undecodable text: the exit status says so
 
     def command(self, text: str) -> bool:
         """Run a ``/command``; False means leave the chat."""
@@ -346,7 +354,12 @@ class ChatSession:
             if user is None:
                 if self.interactive:
                     print()  # leave the terminal on a fresh line after ^D
-                return 0
+                return 1 if self.bad_input else 0
+            problem = check_text(user.text, "the input line")
+            if problem is not None:
+                self.bad_input = True
+                _say(f"ninfer: error: {problem}; the line was not sent")
+                continue
             if not user.quoted and user.text.lstrip().startswith("/"):
                 if not self.command(user.text):
                     return 0
@@ -361,15 +374,18 @@ class ChatSession:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer import Engine, EngineFailed, NInferError
+    from ninfer import Engine, EngineFailed
 
     artifact, _ = split_artifact([args.artifact] if args.artifact else [], 0, "")
-    config = interactive_engine_config(args)
     try:
+        config = interactive_engine_config(args)
         engine = Engine(artifact, config)
-    except (OSError, ValueError, NInferError) as e:
-        return fail(str(e))
+    except product_errors() as e:
+        return fail(e)
     interactive = sys.stdin.isatty()
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:  # undecodable bytes become one refused line, not a crash of the session
+        reconfigure(errors="surrogateescape")
     with engine:
         session = ChatSession(engine, args, interactive)
         # refuse bad sampling flags once, before the first turn, rather than on every turn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Any
 
 
@@ -61,10 +62,40 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def fail(message: str) -> int:
+def one_line(message: object) -> str:
+    """A message on one line (artifact and template errors can span several)."""
+    return " ".join(str(message).split())
+
+
+DEBUG = False  # `--debug`: set by main; an error given as an exception then prints its traceback too
+
+
+def fail(message: object) -> int:
     """One line on stderr, exit status 1: the CLI's way to report a product error."""
-    print(f"ninfer: error: {message}", file=sys.stderr)
+    if DEBUG and isinstance(message, BaseException):
+        traceback.print_exception(message, file=sys.stderr)
+    print(f"ninfer: error: {one_line(message)}", file=sys.stderr)
     return 1
+
+
+def product_errors() -> tuple[type[BaseException], ...]:
+    """What opening an artifact, building an Engine or running a request raises for bad input (a corrupt
+    or mismatched artifact, an invalid setting, a rejected request): reported as one line, exit 1."""
+    from ninfer.artifact.errors import ArtifactError
+    from ninfer.targets.registry import PackageMismatch
+    from ninfer.types import NInferError
+
+    return (OSError, ValueError, ArtifactError, PackageMismatch, NInferError)
+
+
+def check_text(text: str, what: str) -> str | None:
+    """Why ``text`` (from argv, a file or stdin) cannot be a prompt, or None: undecodable bytes reach
+    Python as lone surrogates (``surrogateescape``), which no tokenizer takes."""
+    for pos, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            byte = f" (byte 0x{ord(char) - 0xDC00:02x})" if "\udc80" <= char <= "\udcff" else ""
+            return f"{what} is not valid UTF-8 text: undecodable input at character {pos}{byte}"
+    return None
 
 
 BUNDLED_PACKAGE = "qwen3_6_demo"

@@ -16,7 +16,14 @@ import json
 import sys
 from typing import Any
 
-from ninfer.cli.common import add_engine_flags, fail, interactive_engine_config, split_artifact
+from ninfer.cli.common import (
+    add_engine_flags,
+    check_text,
+    fail,
+    interactive_engine_config,
+    product_errors,
+    split_artifact,
+)
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -72,20 +79,27 @@ def build_request(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer import Engine, GenerationDelta, GenerationResult, NInferError
+    from ninfer import Engine, GenerationDelta, GenerationResult
 
     artifact, (args.prompt,) = split_artifact(args.positionals, 1, "PROMPT")
-    config = interactive_engine_config(args)
+    problem = check_text(args.prompt, "the prompt")
+    if problem is not None:
+        return fail(problem)
+    if not args.prompt.strip():  # the same in both modes: a chat turn of nothing is no prompt either
+        return fail("the prompt is empty; give some text")
     try:
+        config = interactive_engine_config(args)
+        request = build_request(args)
+        if request.problems():
+            return fail("; ".join(request.problems()))
         engine = Engine(artifact, config)
-    except (OSError, ValueError, NInferError) as e:
-        return fail(str(e))
+    except product_errors() as e:
+        return fail(e)
     with engine:
         try:
-            request = build_request(args)
             handle = engine.submit(request)
-        except (ValueError, NInferError) as e:
-            return fail(str(e))
+        except product_errors() as e:
+            return fail(e)
         dim = sys.stdout.isatty()
         result: GenerationResult | None = None
         with handle:

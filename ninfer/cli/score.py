@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from ninfer.cli.common import add_engine_flags, fail, split_artifact
+from ninfer.cli.common import add_engine_flags, fail, product_errors, split_artifact
 
 DEFAULT_SCORE_WINDOW = 2048  # EngineConfig.score_window; its score_stride (1024) is half of it
 
@@ -61,21 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ninfer import Engine, EngineConfig, NInferError
+    from ninfer import Engine, EngineConfig
 
     positionals = args.positionals or ["-"]
     artifact, (args.file,) = split_artifact(positionals, 1, "FILE")
-    try:
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        return fail(f"cannot read {args.file}: {e}")
-    if not text:
-        return fail("nothing to score: the input is empty")
     window, stride = scoring_window(args.window, args.stride, args.max_context)
     note = max_context_note(args.window, args.max_context)
     if note is not None:
         print(f"ninfer score: warning: {note}", file=sys.stderr)
-    try:
+    try:  # the flags first: a bad one is refused before the input is read
         config = EngineConfig(  # max_context stays None: the Engine's context is the window
             purpose="causal_scoring",
             device=args.device,
@@ -85,11 +79,21 @@ def run(args: argparse.Namespace) -> int:
             score_stride=stride,
             warmup=False,
         )
+    except ValueError as e:
+        return fail(e)
+    try:
+        raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+        text = raw.decode("utf-8")  # strict: undecodable bytes are refused, not scored as U+FFFD
+    except (OSError, UnicodeDecodeError) as e:
+        return fail(f"cannot read {args.file}: {e}")
+    if not text:
+        return fail("nothing to score: the input is empty")
+    try:
         with Engine(artifact, config) as engine:
             result = engine.score([text])[0]
             frontend = engine.frontend
-    except (OSError, ValueError, NInferError) as e:
-        return fail(str(e))
+    except product_errors() as e:
+        return fail(e)
     n_bytes = len(text.encode("utf-8"))
     if args.json:
         print(

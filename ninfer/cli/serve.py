@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ninfer.cli.common import add_engine_flags, decode_lookahead, fail, split_artifact
 from ninfer.cli.score import DEFAULT_SCORE_WINDOW, max_context_note, scoring_window
+from ninfer.serve.limits import RequestLimits
 
 if TYPE_CHECKING:
+    from ninfer.serve.gateway import ServeConfig
     from ninfer.types import EngineConfig
 
 API_KEY_ENV = "NINFER_API_KEY"
@@ -35,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "artifact", nargs="?", default=None, help="a .ninfer file (default: the bundled demo model)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="TCP port, 1..65535 (default 8000)")
     p.add_argument("--max-concurrency", type=int, default=4, help="requests generating at once, 1..8 (4)")
     p.add_argument(
         "--queue-capacity",
@@ -56,7 +58,40 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no key)",
     )
     p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (default: only /health and /ready are open)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the package name)"
+    )
+    limits = RequestLimits()
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help=f"largest request body; larger ones get 413 before they are read ({limits.max_body_bytes})",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        metavar="S",
+        help=f"seconds a connection may take to send a request's headers ({limits.header_timeout_s:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout_s,
+        metavar="S",
+        help=f"seconds a request body may take after its headers; then 408 ({limits.body_timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help=f"open connections (and requests in flight) beyond which uvicorn answers 503 "
+        f"({limits.max_connections})",
     )
     p.add_argument(
         "--purpose",
@@ -80,6 +115,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_flags(p)
     p.set_defaults(func=run)
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port to listen on, 1..65535 (uvicorn would silently listen elsewhere on 99999)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {port}")
+    return port
+
+
+def serve_config(args: argparse.Namespace, package_name: str) -> ServeConfig:
+    """The gateway's settings from the flags; ValueError names an invalid one (a blank API key too)."""
+    from ninfer.serve.gateway import ServeConfig
+
+    limits = RequestLimits(
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+    )
+    return ServeConfig(
+        model_name=args.served_model_name or package_name,
+        api_key=args.api_key,
+        limits=limits,
+        public_metrics=args.public_metrics,
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -122,12 +186,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def run(args: argparse.Namespace) -> int:
     from ninfer.artifact import Artifact, ArtifactError
     from ninfer.runtime.engine.engine import Engine
-    from ninfer.serve import ServeConfig, create_app, serve_forever
+    from ninfer.serve import create_app, serve_forever
     from ninfer.targets.identity import check_identity
     from ninfer.targets.open import load_frontend
 
     try:
         config = engine_config(args)
+        serve_config(args, "")  # flags first: a bad one is refused before the artifact is read
     except ValueError as e:
         return fail(str(e))
     if args.artifact is None:
@@ -145,9 +210,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     app = create_app(
-        lambda: Engine(args.artifact, config),
-        ServeConfig(model_name=args.served_model_name or package.name, api_key=args.api_key or None),
-        frontend=frontend,
+        lambda: Engine(args.artifact, config), serve_config(args, package.name), frontend=frontend
     )
     serve_forever(app, args.host, args.port, log_level=args.log_level)
     return 0

@@ -7,6 +7,7 @@ thread during startup; ``/ready`` turns 200 when the Engine reports itself ready
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import time
@@ -14,10 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar, cast
 
+import anyio.to_thread
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -27,6 +31,7 @@ from ninfer.serve.completions import CompletionsHandler
 from ninfer.serve.errors import ServeError, install_error_handlers
 from ninfer.serve.gateway import Gateway, ServeConfig
 from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
+from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyGuardMiddleware, RequestLimits, parse_json_body
 from ninfer.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -58,6 +63,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
             "what to change)",
         ),
         (401, "missing or wrong API key"),
+        (408, "the request body arrived too slowly (--body-timeout)"),
+        (413, "the request body is larger than the server's limit (--max-body-bytes)"),
         (404, "unknown model name"),
         (429, "the Engine queue is full (see Retry-After)"),
         (503, "the Engine is loading, failed, or the request waited past the queue timeout"),
@@ -74,32 +81,63 @@ class ORJSONRequest(Request):
         return self._json
 
 
-class ORJSONRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            return await handler(ORJSONRequest(request.scope, request.receive))
-
-        return route
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's own test of a JSON body (``application/json`` or ``application/*+json``)."""
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-PUBLIC_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-)
+def route_class(limits: RequestLimits) -> type[APIRoute]:
+    """Routes whose JSON body is parsed, shape-checked (``limits``) and validated against the route's
+    model before FastAPI sees it: on a worker thread once the body is large, so one request's parsing
+    never stalls the event loop. FastAPI then receives the validated model, which pydantic passes through
+    without validating it again."""
+
+    class BoundedJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handler = super().get_route_handler()
+            annotation = self.body_field.field_info.annotation if self.body_field is not None else None
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+            async def route(request: Request) -> Response:
+                request = ORJSONRequest(request.scope, request.receive)
+                if self.body_field is not None and _is_json(request.headers.get("content-type")):
+                    try:
+                        body = await request.body()
+                    except ClientDisconnect:  # gone while sending: nobody to answer, nothing to run
+                        request.app.state.gateway.count(request.url.path, "cancelled")
+                        return ServeError(499, "client closed the request").response()
+                    if body:
+                        parse = functools.partial(parse_json_body, body, model, limits)
+                        big = len(body) > INLINE_PARSE_BYTES
+                        request._json = await anyio.to_thread.run_sync(parse) if big else parse()
+                return await handler(request)
+
+            return route
+
+    return BoundedJSONRoute
+
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+METRICS_PATH = "/metrics"
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer KEY`` on every path except the probes, metrics and API docs, checked
-    before the body is read (constant-time comparison)."""
+    """``Authorization: Bearer KEY`` on every path except the probes (and ``/metrics`` when it is made
+    public), checked before the body is read (constant-time comparison)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[str], None]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, on_reject: Callable[[str], None], open_paths: frozenset[str]
+    ) -> None:
         self.app = app
         self.expected = api_key.encode()
         self.on_reject = on_reject
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("authorization", "")
@@ -149,6 +187,7 @@ def create_app(
         finally:
             await host.aclose()
 
+    limits = config.limits
     app = FastAPI(
         title="NInfer",
         summary="OpenAI-compatible HTTP gateway over one NInfer Engine",
@@ -170,7 +209,7 @@ def create_app(
     chat = ChatHandler(gateway)
     completions = CompletionsHandler(gateway)
     tokens = TokenHandlers(gateway)
-    authed = APIRouter(route_class=ORJSONRoute, responses=ERRORS)
+    authed = APIRouter(route_class=route_class(limits), responses=ERRORS)
 
     @authed.post(
         "/v1/chat/completions",
@@ -261,5 +300,12 @@ def create_app(
             APIKeyMiddleware,
             api_key=config.api_key,
             on_reject=lambda path: gateway.count(path, "unauthorized"),
+            open_paths=OPEN_PATHS | ({METRICS_PATH} if config.public_metrics else set()),
         )
+    app.add_middleware(  # outermost: the size and time bounds run from the headers, before the key check
+        BodyGuardMiddleware,
+        max_bytes=limits.max_body_bytes,
+        timeout_s=limits.body_timeout_s,
+        on_reject=lambda path: gateway.count(path, "invalid"),
+    )
     return app

@@ -35,8 +35,8 @@ from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, T
 ENDPOINT = "/v1/chat/completions"
 
 
-def generation_request(body: ChatCompletionRequest) -> GenerationRequest:
-    check_common(body)
+def generation_request(body: ChatCompletionRequest, vocab_size: int) -> GenerationRequest:
+    check_common(body, vocab_size)
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(
             f"response_format {body.response_format.type!r} needs constrained decoding, which NInfer does "
@@ -108,7 +108,8 @@ class ChatHandler:
                 "--purpose generation to chat",
                 code="wrong_purpose",
             )
-        run = await gw.submit(generation_request(body), ENDPOINT)
+        generation = generation_request(body, gw.host.frontend.vocab_size)
+        run = await gw.submit(generation, ENDPOINT, "messages")
         meta = {
             "id": f"chatcmpl-{secrets.token_hex(16)}",
             "created": int(time.time()),

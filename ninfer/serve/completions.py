@@ -25,10 +25,11 @@ from ninfer.serve.convert import (
     TokenTexts,
     bad_request,
     check_common,
+    check_token_ids,
     sampling_kwargs,
     usage_dict,
 )
-from ninfer.serve.errors import ServeError, from_engine_error
+from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.protocol import CompletionRequest
 from ninfer.serve.responses import JSONBody
@@ -73,8 +74,15 @@ def prompts_of(body: CompletionRequest) -> list[Prompt]:
         raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise bad_request(f"prompt[{i}] is empty; give some text or at least one token id", "prompt")
+            raise bad_request(
+                f"prompt[{i}] is empty; give some text or at least one token id", prompt_param(prompts, i)
+            )
     return prompts
+
+
+def prompt_param(prompts: Sequence[Prompt], index: int) -> str:
+    """How errors name one prompt: ``prompt``, or ``prompt[i]`` in a batch."""
+    return f"prompt[{index}]" if len(prompts) > 1 else "prompt"
 
 
 class CompletionsHandler:
@@ -86,7 +94,7 @@ class CompletionsHandler:
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         gw = self.gateway
         gw.check_model(body.model)
-        check_common(body)
+        check_common(body, self.frontend.vocab_size)
         if body.suffix is not None:
             raise bad_request(
                 "suffix (fill-in-the-middle) is not supported; put the text in the prompt", "suffix"
@@ -96,6 +104,9 @@ class CompletionsHandler:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported; remove it", "logit_bias")
         prompts = prompts_of(body)
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                check_token_ids(prompt, self.frontend.vocab_size, prompt_param(prompts, i))
         engine = gw.host.engine()
         meta = {
             "id": f"cmpl-{secrets.token_hex(16)}",
@@ -142,7 +153,7 @@ class CompletionsHandler:
                 run.close()
 
         try:
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 req = GenerationRequest(
                     prompt=prompt,
                     max_tokens=max_tokens,
@@ -150,7 +161,7 @@ class CompletionsHandler:
                     top_logprobs=top,
                     **sampling,
                 )
-                runs.append(await self.gateway.submit(req, ENDPOINT))
+                runs.append(await self.gateway.submit(req, ENDPOINT, prompt_param(prompts, i)))
             echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
             if body.stream:
                 await unless_disconnected(request, all_or_none(r.wait_start() for r in runs))
@@ -247,7 +258,7 @@ class CompletionsHandler:
                         else tuple(self.frontend.prepare_tokens(p).token_ids)
                     )
                 except ValueError as exc:
-                    raise bad_request(f"prompt[{i}]: {exc}", "prompt") from None
+                    raise bad_request(f"prompt[{i}]: {exc}", prompt_param(prompts, i)) from None
             return out
 
         return await anyio.to_thread.run_sync(ids)
@@ -354,7 +365,7 @@ class CompletionsHandler:
         try:
             scores: list[ScoreResult] = await anyio.to_thread.run_sync(score, prompts)
         except NInferError as exc:
-            error = from_engine_error(exc, self.gateway.config.retry_after_s)
+            error = self.gateway.engine_error(exc, "prompt")
             self.gateway.count(ENDPOINT, error.outcome)
             error.counted = True
             raise error from None

@@ -23,7 +23,7 @@ from ninfer.serve.protocol import (
     ToolDef,
     ToolMessage,
 )
-from ninfer.types import NEUTRAL_SAMPLING, TokenLogprob
+from ninfer.types import NEUTRAL_SAMPLING, GenerationRequest, NInferError, RequestRejected, TokenLogprob
 
 # keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
@@ -52,8 +52,19 @@ def sampling_kwargs(body: SamplingFields) -> dict[str, Any]:
     return out
 
 
-def check_common(body: SamplingFields) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """400 naming ``param`` and the first id outside the vocabulary ``[0, vocab_size)``."""
+    for pos, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"{param}: token id {token_id} at position {pos} is outside the vocabulary [0, {vocab_size})",
+                param,
+            )
+
+
+def check_common(body: SamplingFields, vocab_size: int) -> None:
     """Fields every generating endpoint refuses the same way."""
+    check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     if body.n not in (None, 1):
         raise bad_request(
             f"n={body.n} is not supported: NInfer returns one choice per request; send n=1 (or several "
@@ -135,6 +146,100 @@ def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
                 "chat_template_kwargs",
             )
     return out
+
+
+def _string_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string (keys included) in a JSON-like value, walked without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node.encode("utf-8", "surrogatepass"))
+        elif isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
+def check_prompt_size(
+    frontend: ServeFrontend, request: GenerationRequest, max_context: int | None, param: str
+) -> None:
+    """Refuse a prompt that cannot fit ``max_context`` before it is tokenized, from its size alone: token
+    ids are counted; text is bounded from below by its bytes (``frontend.min_tokens``). A conversation is
+    rendered first (cheap next to tokenizing), and only when its strings are long enough to matter; a
+    template error is left for the Engine to report. Runs on a worker thread."""
+    if max_context is None:
+        return
+    prompt, n_bytes = request.prompt, 0
+    if prompt is not None and not isinstance(prompt, str):
+        if len(prompt) >= max_context:
+            raise _too_long(f"{param} has {len(prompt)} tokens", max_context, param)
+        return
+    if isinstance(prompt, str):
+        n_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+    elif request.messages is not None:
+        content = _string_bytes([request.messages, request.tools])
+        if frontend.min_tokens(content) < max_context:
+            return
+        kwargs = {"add_generation_prompt": True, **request.chat_template_kwargs}
+        try:
+            rendered = frontend.render_chat(request.messages, tools=request.tools, **kwargs)
+        except ValueError:
+            return
+        n_bytes = len(rendered.encode("utf-8", "surrogatepass"))
+    least = frontend.min_tokens(n_bytes)
+    if least >= max_context:
+        raise _too_long(f"{param} has at least {least} tokens ({n_bytes} bytes of text)", max_context, param)
+
+
+def _too_long(what: str, max_context: int, param: str) -> ServeError:
+    return bad_request(
+        f"{what} but max_context is {max_context} (prompt plus at least one generated token); shorten it",
+        param,
+        code="context_length_exceeded",
+    )
+
+
+# GenerationRequest fields whose name starts an Engine problem message ("temperature must be ...")
+_REQUEST_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "top_logprobs",
+    "thinking_budget",
+    "tools",
+    "messages",
+    "prompt",
+)
+
+
+def engine_param(exc: NInferError, input_param: str) -> str | None:
+    """The request field an Engine rejection is about (OpenAI ``param``): the input for a prompt that is
+    too long or cannot be prepared, the named field for an invalid value, none for overload and the like.
+    The Engine names fields at the start of each problem it reports (``GenerationRequest.problems``)."""
+    if not isinstance(exc, RequestRejected):
+        return None
+    if exc.kind in ("context_too_long", "infeasible"):
+        return input_param
+    if exc.kind != "invalid_request":
+        return None
+    first = exc.message.split("; ", 1)[0]
+    for name in _REQUEST_FIELDS:
+        if first.startswith(name) and not first[len(name) : len(name) + 1].isalnum():
+            return input_param if name in ("prompt", "messages") else name
+    if first.startswith("the model's generation config"):
+        return None  # the model's own defaults are bad, not a field of the request
+    return input_param
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ninfer.types import EngineFailed, NInferError, RequestFailed, RequestReject
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    408: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -89,12 +90,13 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def from_engine_error(exc: NInferError, retry_after_s: int) -> ServeError:
-    """Map an Engine error to its HTTP answer (429 and queue timeouts carry ``Retry-After``)."""
+def from_engine_error(exc: NInferError, retry_after_s: int, param: str | None = None) -> ServeError:
+    """Map an Engine error to its HTTP answer (429 and queue timeouts carry ``Retry-After``); ``param``
+    is the request field it is about, when the gateway knows it."""
     if isinstance(exc, RequestRejected):
         status, code = REJECT_STATUS.get(exc.kind, (400, exc.kind))
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
-        return ServeError(status, exc.message, code=code, headers=headers)
+        return ServeError(status, exc.message, code=code, param=param, headers=headers)
     if isinstance(exc, EngineFailed):
         return ServeError(
             503,

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import anyio.to_thread
 
 from ninfer.runtime.engine.engine import GenerationHandle
+from ninfer.serve.convert import check_prompt_size, engine_param
 from ninfer.serve.errors import ServeError, from_engine_error
 from ninfer.serve.host import EngineHost
+from ninfer.serve.limits import RequestLimits
 from ninfer.serve.metrics import RequestTracker, ServeMetrics
 from ninfer.types import (
     GenerationDelta,
@@ -33,12 +35,38 @@ COUNTED_ENDPOINTS = frozenset(
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Gateway settings (the Engine's own settings live in ``EngineConfig``)."""
+    """Gateway settings (the Engine's own settings live in ``EngineConfig``).
+
+    ``api_key`` ``None`` serves without authentication; an empty or blank key, or one with whitespace or
+    control characters (which no ``Authorization`` header could carry), is a ValueError rather than a
+    server nobody, or everybody, can use. ``public_metrics`` serves ``/metrics`` without the key.
+    """
 
     model_name: str
     api_key: str | None = None
     retry_after_s: int = 1
     owned_by: str = "ninfer"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    public_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+
+
+def check_api_key(key: str) -> None:
+    """ValueError unless ``key`` is a usable bearer token: non-empty, printable ASCII, no spaces."""
+    if not key.strip():
+        raise ValueError(
+            "the API key is empty or blank; give a real key, or leave --api-key and $NINFER_API_KEY unset "
+            "to serve without one"
+        )
+    bad = sorted({c for c in key if not 0x21 <= ord(c) <= 0x7E})
+    if bad:
+        raise ValueError(
+            f"the API key contains {', '.join(repr(c) for c in bad[:4])}: a key must be printable ASCII "
+            "without spaces, as clients send it in the header 'Authorization: Bearer <key>'"
+        )
 
 
 @dataclass
@@ -65,19 +93,37 @@ class Gateway:
         label = endpoint if endpoint in COUNTED_ENDPOINTS else "other"
         self.metrics.requests.labels(label, outcome).inc()
 
-    async def submit(self, request: GenerationRequest, endpoint: str) -> EngineRun:
-        """Submit on a worker thread (the Frontend tokenizes and renders there); map rejections."""
+    async def submit(self, request: GenerationRequest, endpoint: str, param: str) -> EngineRun:
+        """Submit on a worker thread (the size bound is checked and the Frontend tokenizes and renders
+        there, never on the event loop); map rejections. ``param`` names the request's input in errors
+        (``messages``, ``prompt``, ``prompt[2]`` for a batch element, which also prefixes the message)."""
         engine = self.host.engine()
         tracker = self.metrics.track(endpoint)
+
+        def prepare_and_submit() -> GenerationHandle:
+            check_prompt_size(self.host.frontend, request, engine.max_context, param)
+            return engine.submit(request)
+
         try:
-            handle = await anyio.to_thread.run_sync(engine.submit, request)
+            handle = await anyio.to_thread.run_sync(prepare_and_submit)
+        except ServeError as error:
+            tracker.finished(error.outcome)
+            error.counted = True
+            raise
         except NInferError as exc:
-            error = from_engine_error(exc, self.config.retry_after_s)
+            error = self.engine_error(exc, param)
             tracker.finished(error.outcome)
             error.counted = True
             raise error from None
         tracker.queued()
-        return EngineRun(handle, tracker, self)
+        return EngineRun(handle, tracker, self, param)
+
+    def engine_error(self, exc: NInferError, param: str) -> ServeError:
+        """An Engine error as the HTTP answer, naming the field it is about (``engine_param``)."""
+        error = from_engine_error(exc, self.config.retry_after_s, engine_param(exc, param))
+        if "[" in param and error.param is not None:  # a batch element: say which
+            error.message = f"{param}: {error.message}"
+        return error
 
     def keep(self, task: asyncio.Task[None]) -> None:
         self._drains.add(task)
@@ -87,10 +133,13 @@ class Gateway:
 class EngineRun:
     """One submitted Engine request: wait for admission, iterate events, or abandon it."""
 
-    def __init__(self, handle: GenerationHandle, tracker: RequestTracker, gateway: Gateway) -> None:
+    def __init__(
+        self, handle: GenerationHandle, tracker: RequestTracker, gateway: Gateway, param: str
+    ) -> None:
         self.handle = handle
         self.tracker = tracker
         self._gateway = gateway
+        self._param = param
         self.start: GenerationStart | None = None
         self.result: GenerationResult | None = None
         self._closed = False
@@ -132,7 +181,7 @@ class EngineRun:
 
     def error_of(self, result: GenerationResult) -> ServeError:
         if result.error is not None:
-            error = from_engine_error(result.error, self._gateway.config.retry_after_s)
+            error = self._gateway.engine_error(result.error, self._param)
         else:  # cancelled without our asking: the Engine is closing
             error = ServeError(
                 503, "the server is shutting down; retry against another instance", code="engine_unavailable"

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 import anyio.to_thread
 
+from ninfer.artifact.errors import ArtifactError
 from ninfer.runtime.engine.engine import Engine
 from ninfer.serve.errors import ServeError
-from ninfer.types import Availability
+from ninfer.types import Availability, NInferError
 
 log = logging.getLogger("ninfer.serve")
 
@@ -34,6 +35,16 @@ class ServeFrontend(Protocol):
     def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def min_tokens(self, n_bytes: int) -> int: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -82,6 +93,11 @@ class EngineHost:
         assert self._loader is not None
         try:
             engine = self._loader()
+        except (ArtifactError, ValueError, NInferError) as exc:  # a bad artifact or setting: one line
+            log.error("loading the Engine failed: %s", " ".join(str(exc).split()))
+            with self._lock:
+                self._load_error = f"{type(exc).__name__}: {exc}"
+            return
         except Exception as exc:  # noqa: BLE001 - any loading failure is reported through /ready
             log.exception("loading the Engine failed")
             with self._lock:

@@ -8,9 +8,17 @@ from typing import Any
 
 import anyio.to_thread
 
-from ninfer.serve.convert import TokenTexts, bad_request, chat_messages, template_kwargs, tool_dicts
+from ninfer.serve.convert import (
+    TokenTexts,
+    bad_request,
+    chat_messages,
+    check_prompt_size,
+    template_kwargs,
+    tool_dicts,
+)
 from ninfer.serve.gateway import Gateway
 from ninfer.serve.protocol import DetokenizeRequest, TokenizeRequest
+from ninfer.types import GenerationRequest
 
 
 class TokenHandlers:
@@ -25,15 +33,20 @@ class TokenHandlers:
             raise bad_request("give exactly one of prompt (raw text) or messages (chat)", "prompt")
 
         def run() -> list[int]:
+            max_context = self.gateway.host.max_context
             try:
                 if body.prompt is not None:
+                    check_prompt_size(
+                        self.frontend, GenerationRequest(prompt=body.prompt), max_context, "prompt"
+                    )
                     return list(self.frontend.encode(body.prompt))
                 kwargs = template_kwargs(body.chat_template_kwargs)
                 kwargs.setdefault("add_generation_prompt", bool(body.add_generation_prompt))
                 assert body.messages is not None
-                prepared = self.frontend.prepare_chat(
-                    chat_messages(body.messages), tools=tool_dicts(body.tools), **kwargs
-                )
+                messages, tools = chat_messages(body.messages), tool_dicts(body.tools)
+                request = GenerationRequest(messages=messages, tools=tools, chat_template_kwargs=kwargs)
+                check_prompt_size(self.frontend, request, max_context, "messages")
+                prepared = self.frontend.prepare_chat(messages, tools=tools, **kwargs)
                 return list(prepared.token_ids)
             except (ValueError, TypeError) as exc:
                 raise bad_request(f"the input cannot be tokenized: {exc}", "messages") from None

@@ -210,3 +210,26 @@ def test_unsealed_header_is_refused(artifact_path: Path) -> None:
     rewrite_header(artifact_path, lambda h: h["tensors"][0].update(checksum="crc32:xxxxxxxx"))
     with pytest.raises(CorruptHeaderError, match="crc32:xxxxxxxx"):
         Artifact.open(artifact_path)
+
+
+def test_verify_covers_every_padding_byte(artifact_path: Path) -> None:
+    """A flipped byte anywhere no blob covers (after the JSON header, between blobs) fails verify, naming
+    its offset; the file as written verifies, and open() alone does not read the padding."""
+    with Artifact.open(artifact_path) as a:
+        a.verify()
+        gaps = [(a.header_end, a.payload_offset)]
+        blobs = sorted(
+            (a.payload_offset + d.offset, d.nbytes) for d in [*a.frontend_descriptors(), *a.descriptors()]
+        )
+        gaps += [(start + n, nxt) for (start, n), (nxt, _) in zip(blobs, blobs[1:]) if start + n < nxt]
+    assert len(gaps) >= 3
+    original = artifact_path.read_bytes()
+    for start, end in gaps:
+        for offset in (start, (start + end) // 2, end - 1):
+            flip_byte(artifact_path, offset)
+            with Artifact.open(artifact_path) as a, pytest.raises(CorruptHeaderError) as err:
+                a.verify()
+            assert f"padding byte at file offset {offset} " in str(err.value)
+            artifact_path.write_bytes(original)
+    with Artifact.open(artifact_path, verify=True):
+        pass

@@ -3,7 +3,7 @@ prompt ids, and the device probes on CPU."""
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,11 +81,23 @@ def test_first_special_id() -> None:
     assert first_special_id(DEMO.variant.special) == 8159
 
 
-def test_median_seconds_times_what_it_runs() -> None:
+def test_median_seconds_times_what_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An injected clock that only the timed function advances: the median of the timed calls, exactly,
+    and the warmup calls are not among them."""
+    import ninfer.bench.probes as probes
+
+    now = [0.0]
+    durations = iter([5.0, 7.0, 0.03, 0.01, 0.02])  # two warmup calls, then three timed ones
+    monkeypatch.setattr(probes, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls: list[int] = []
-    seconds = median_seconds(lambda: (calls.append(1), time.sleep(0.02)), CPU, repeats=3, warmup=2)
+
+    def work() -> None:
+        calls.append(1)
+        now[0] += next(durations)
+
+    seconds = median_seconds(work, CPU, repeats=3, warmup=2)
     assert len(calls) == 5
-    assert 0.02 <= seconds < 0.2
+    assert seconds == pytest.approx(0.02)
 
 
 def test_cpu_probes_are_positive_and_scale_with_the_work() -> None:

@@ -161,7 +161,10 @@ def test_two_turns_send_the_history_and_stream_both_replies(
     assert first.request.top_k is None and first.request.repetition_penalty is None
     sampling = spy.plans[0].sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (
-        0.0, 20, 0.95, 1.1
+        0.0,
+        20,
+        0.95,
+        1.1,
     )
     # the second prompt is the rendered conversation, longer than the first
     frontend = load_frontend(bundled_artifact())
@@ -330,8 +333,13 @@ def test_history_with_tool_calls_renders_through_the_chat_template() -> None:
     conversation = Conversation()
     call = ToolCallDelta(index=0, id="call_1", name="get_weather", arguments='{"city": "Paris"}')
     reply = GenerationResult(
-        request_id=1, text="", reasoning_text="I should look it up.", tool_calls=(call,), token_ids=(),
-        finish_reason="stop", usage=Usage(prompt_tokens=10, completion_tokens=20),
+        request_id=1,
+        text="",
+        reasoning_text="I should look it up.",
+        tool_calls=(call,),
+        token_ids=(),
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=10, completion_tokens=20),
     )
     conversation.record("Weather in Paris?", reply)
     messages = conversation.messages("Thanks")
@@ -341,4 +349,3 @@ def test_history_with_tool_calls_renders_through_the_chat_template() -> None:
     text = frontend.render_chat(messages, preserve_thinking=True)
     assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in text
     assert "<think>\nI should look it up.\n</think>" in text
-

@@ -19,7 +19,16 @@ from ninfer.runtime.contract.types import RequestPlan, SamplingParams
 
 torch.set_num_threads(1)
 BASE = (
-    "generate", "def add(a, b):", "--raw", "--max-tokens", "2", "--seed", "3", "--json", "--device", "cpu"
+    "generate",
+    "def add(a, b):",
+    "--raw",
+    "--max-tokens",
+    "2",
+    "--seed",
+    "3",
+    "--json",
+    "--device",
+    "cpu",
 )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 
 import pytest
 from engine_fixtures import make_engine
@@ -14,8 +13,9 @@ from scripted_program import ScriptedProgram, next_token
 from ninfer import EngineFailed, GenerationRequest
 from ninfer.types import GenerationDelta, GenerationResult, GenerationStart
 
-TIMEOUT_S = 20.0
-DEADLOCK_JOIN_S = 5.0  # a gc.collect() of one handle takes milliseconds; longer means a deadlock
+# hang guards, not speed limits: every wait below ends on an event long before them on any machine
+TIMEOUT_S = 300.0
+DEADLOCK_JOIN_S = 120.0  # a gc.collect() of one handle takes milliseconds; a deadlock never ends
 
 
 def expected(seed: int, prompt: bytes, n: int) -> tuple[int, ...]:
@@ -181,17 +181,17 @@ def test_idle_worker_wakes_to_release_a_collected_handle() -> None:
     engine, program, _ = _engine()
     handle = engine.submit(GenerationRequest(prompt="abc", max_tokens=3, seed=1))
     channel = handle._channel
-    deadline = time.monotonic() + TIMEOUT_S
-    while not handle.done:
-        assert time.monotonic() < deadline, "the request did not finish"
-        time.sleep(0.001)
-    assert engine.core.outstanding == 1  # done, but the consumer still holds it
+    released = threading.Event()
+    release = channel._release_capacity
+    channel._release_capacity = lambda request_id: (release(request_id), released.set())  # type: ignore[method-assign]
+    with channel._ready:
+        assert channel._ready.wait_for(lambda: channel.response_done, TIMEOUT_S), "the request did not finish"
+    assert engine.core.outstanding == 1 and not released.is_set()  # done, but the consumer still holds it
     handle.cycle = handle  # type: ignore[attr-defined]
     del handle
     gc.collect()
-    while engine.core.outstanding:
-        assert time.monotonic() < deadline, "the worker did not wake to release the dropped handle"
-        time.sleep(0.001)
+    assert released.wait(TIMEOUT_S), "the worker did not wake to release the dropped handle"
+    assert engine.core.outstanding == 0
     assert channel.consumer_released and channel.capacity_release_count == 1
     assert channel.final is not None and channel.final.finish_reason == "length"
     engine.close()

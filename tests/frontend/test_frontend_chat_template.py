@@ -200,3 +200,56 @@ def test_globals_filters_and_sandbox() -> None:
         )
         == "<object>"
     )
+
+
+def nested(depth: int) -> dict[str, Any]:
+    """``{"x": {"x": ... {}}}``: ``depth`` objects, one inside the other."""
+    value: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        value = {"x": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [500, 1000, 5000])
+def test_hostile_nesting_is_a_template_error_not_a_recursion_error(
+    depth: int, frontends: dict[str, Frontend]
+) -> None:
+    """Nesting far past Python's recursion limit in template kwargs, a tool's parameters or a tool call's
+    arguments (object or JSON string) is refused with ChatTemplateError naming the limit."""
+    fe = frontends["qwen3_6"]
+    user = [{"role": "user", "content": "q"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested(depth)}}
+
+    def call(arguments: Any) -> dict[str, Any]:
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "f", "arguments": arguments}}],
+        }
+
+    cases = [
+        lambda: fe.render_chat(user, deep=nested(depth)),
+        lambda: fe.render_chat(user, tools=[tool]),
+        lambda: fe.render_chat([*user, call(nested(depth))]),
+    ]
+    for render in cases:
+        with pytest.raises(ChatTemplateError, match="nested deeper than 64 levels"):
+            render()
+    # a JSON string is parsed (too deep for json.loads: left a string); either way a template error
+    for text in ('{"x":' * depth + "{}" + "}" * depth, "[" * depth + "]" * depth):
+        with pytest.raises(ChatTemplateError):
+            fe.render_chat([*user, call(text)])
+
+
+def test_nesting_within_the_limit_renders_as_before(frontends: dict[str, Frontend]) -> None:
+    """The copy is exact up to the limit: tuples stay tuples, dataclass-free JSON stays equal."""
+    from ninfer.targets.qwen3_6.frontend.chat_template import MAX_TEMPLATE_DEPTH, plain_template_data
+
+    data = {"a": [1, (2, [3, (4,)]), {"k": None}], "b": 1.5, 3: "x"}
+    assert plain_template_data(data) == data and isinstance(plain_template_data(data)["a"][1][1][1], tuple)
+    assert plain_template_data(nested(MAX_TEMPLATE_DEPTH)) == nested(MAX_TEMPLATE_DEPTH)
+    with pytest.raises(ChatTemplateError):
+        plain_template_data(nested(MAX_TEMPLATE_DEPTH + 1))
+    fe = frontends["qwen3_6"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested(20)}}
+    assert json.dumps(nested(20)) in fe.render_chat([{"role": "user", "content": "q"}], tools=[tool])

@@ -141,3 +141,16 @@ def test_prepare_text_thinking_and_digest(frontend: Frontend) -> None:
     assert prompt_digest([1, 2]) != prompt_digest([1, 2], media=[b"image-sha"])
     assert prompt_digest([1, 2], media=[b"a", b"b"]) != prompt_digest([1, 2], media=[b"ab"])
     assert prompt_digest([258]) != prompt_digest([2, 1])
+
+
+def test_min_tokens_is_a_lower_bound(frontend: Frontend) -> None:
+    """min_tokens(bytes) never exceeds the real count, for the texts that pack the most bytes per token
+    (long vocabulary strings, NFC-composed Hangul, special-token strings), and grows with the length."""
+    tok = frontend.tokenizer
+    vocab = tok._tok.get_vocab(with_added_tokens=True)  # noqa: SLF001 - the test reads the raw vocabulary
+    longest = sorted(vocab, key=lambda t: len(t.encode("utf-8")))[-50:]
+    texts = [frontend.decode([vocab[t]]) * 40 for t in longest]
+    texts += ["\u1100\u1161\u11a8" * 500, "<|im_start|>" * 300, " " * 5000, "a b " * 2000]
+    for text in texts:
+        assert tok.min_tokens(len(text.encode("utf-8"))) <= len(frontend.encode(text)), text[:40]
+    assert tok.min_tokens(10 << 20) > 10_000  # a 10 MiB text is known to be long before it is tokenized

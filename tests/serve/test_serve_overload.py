@@ -38,38 +38,46 @@ def _completion_body(seed: int, max_tokens: int = 6) -> dict[str, Any]:
 
 def test_overload_gives_429_and_loses_nothing(frontend: Frontend) -> None:
     program = ScriptProgram(max_concurrency=1, unit_sleep_s=UNIT_S)
+    go = threading.Event()  # no execution unit runs before every refusal is in: no lane frees meanwhile
+    program.on_execute = lambda kind, handles: go.wait(60)
     engine = scripted_engine(program, frontend, max_concurrency=1, queue_capacity=1)
     baseline = program.usage()
     with running_server(engine, frontend) as server:
 
-        async def burst() -> list[tuple[int, float, Any]]:
-            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        async def burst() -> list[tuple[int, Any]]:
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
-            async def one(seed: int) -> tuple[int, float, Any]:
-                start = time.monotonic()
+            async def one(seed: int) -> tuple[int, Any]:
                 try:
-                    out = await client.completions.create(**_completion_body(seed))
+                    return seed, await client.completions.create(**_completion_body(seed))
                 except openai.RateLimitError as exc:
-                    return seed, time.monotonic() - start, exc
-                return seed, time.monotonic() - start, out
+                    return seed, exc
 
-            results = await asyncio.gather(*(one(seed) for seed in range(20)))
+            tasks = [asyncio.create_task(one(seed)) for seed in range(20)]
+            refused = 0
+            for finished in asyncio.as_completed(tasks):
+                _, out = await finished
+                refused += isinstance(out, openai.RateLimitError)
+                if refused == 18:
+                    # capacity 2 (1 active + 1 queued): the other 18 were refused while both still held
+                    # their places, i.e. at once, without waiting for a lane
+                    go.set()
+            go.set()
+            results = [task.result() for task in tasks]
             await client.close()
             return results
 
         results = asyncio.run(burst())
-        rejected = [(s, t, r) for s, t, r in results if isinstance(r, openai.RateLimitError)]
-        accepted = [(s, t, r) for s, t, r in results if not isinstance(r, openai.RateLimitError)]
-        assert len(rejected) + len(accepted) == 20
-        assert rejected and accepted, "capacity 2 (1 active + 1 queued) under 20 simultaneous requests"
-        for _, seconds, exc in rejected:
+        rejected = [(s, r) for s, r in results if isinstance(r, openai.RateLimitError)]
+        accepted = [(s, r) for s, r in results if not isinstance(r, openai.RateLimitError)]
+        assert len(rejected) == 18 and len(accepted) == 2, "capacity 2 (1 active + 1 queued) of 20"
+        for _, exc in rejected:
             assert exc.status_code == 429 and int(exc.response.headers["retry-after"]) >= 1
             assert exc.body["code"] == "queue_full" and "queue_capacity" in exc.body["message"]
-            assert seconds < 2.0, "a full queue answers at once, without waiting for a lane"
         # every accepted request completed with its own output (checked against a lone rerun of its seed)
-        assert len({r.id for _, _, r in accepted}) == len(accepted)
+        assert len({r.id for _, r in accepted}) == len(accepted)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
-        for seed, _, out in accepted:
+        for seed, out in accepted:
             assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
             assert out.choices[0].text == client.completions.create(**_completion_body(seed)).choices[0].text
         assert metric(server.url, "ninfer_requests_total", {"outcome": "queue_full"}) == len(rejected)
@@ -78,7 +86,7 @@ def test_overload_gives_429_and_loses_nothing(frontend: Frontend) -> None:
             metric(server.url, "ninfer_queue_depth") == 0 and metric(server.url, "ninfer_active_lanes") == 0
         )
         completed = 2 * len(accepted)  # the burst's accepted requests and their reruns
-        prompt_tokens = 2 * sum(out.usage.prompt_tokens for _, _, out in accepted)
+        prompt_tokens = 2 * sum(out.usage.prompt_tokens for _, out in accepted)
         assert metric(server.url, "ninfer_generation_tokens_total") == 6 * completed
         assert metric(server.url, "ninfer_prompt_tokens_total") == prompt_tokens
         assert metric(server.url, "ninfer_time_to_first_token_seconds_count") == completed
@@ -100,18 +108,20 @@ def test_disconnect_frees_the_lane_within_one_decode_round(frontend: Frontend) -
             "stream": True,
         }
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()  # held: dropping a half-read iterator closes the response
             events = 0
-            for line in response.iter_lines():
+            for line in lines:
                 events += line.startswith("data: ")
                 if events == 4:
                     break
             assert metric(server.url, "ninfer_active_lanes") == 1
             closed_at = time.monotonic()
+            lines.close()
         # the connection is closed: the request must be cancelled at the next worker boundary
-        wait_until(lambda: metric(server.url, "ninfer_active_lanes") == 0, timeout=5)
+        wait_until(lambda: metric(server.url, "ninfer_active_lanes") == 0, timeout=120)
         decodes_after = [t for kind, t in program.unit_log if kind == "decode" and t > closed_at]
         assert len(decodes_after) <= 1, "at most the decode round in flight at the disconnect ran"
-        assert len(program.release_log) == 1 and program.release_log[0] - closed_at < 0.1 + 0.5
+        assert len(program.release_log) == 1 and program.release_log[0] > closed_at
         assert metric(server.url, "ninfer_requests_total", {"outcome": "cancelled"}) == 1
         # the freed lane serves the next request at once
         quick = httpx.post(server.url + "/v1/completions", json=_completion_body(1, 2), timeout=30)
@@ -182,7 +192,7 @@ def test_ready_only_after_loading(frontend: Frontend) -> None:
         early = httpx.post(server.url + "/v1/completions", json=_completion_body(1))
         assert early.status_code == 503 and early.headers["retry-after"]
         release.set()
-        wait_until(lambda: httpx.get(server.url + "/ready").status_code == 200, timeout=10)
+        wait_until(lambda: httpx.get(server.url + "/ready").status_code == 200, timeout=120)
         assert (
             httpx.post(server.url + "/v1/completions", json=_completion_body(1), timeout=30).status_code
             == 200
@@ -202,6 +212,10 @@ def test_api_key(frontend: Frontend) -> None:
         assert client.completions.create(**_completion_body(1)).usage.completion_tokens == 6
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-        for probe in ("/health", "/ready", "/metrics"):
+        for probe in ("/health", "/ready"):
             assert httpx.get(server.url + probe).status_code == 200
+        for closed in ("/metrics", "/docs", "/openapi.json"):  # only the probes are open by default
+            assert httpx.get(server.url + closed).status_code == 401
+            authorized = httpx.get(server.url + closed, headers={"Authorization": "Bearer s3cret"})
+            assert authorized.status_code == 200
         assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401

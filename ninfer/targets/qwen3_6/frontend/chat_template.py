@@ -90,37 +90,83 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def plain_template_data(value: Any) -> Any:
+# deepest nesting of lists/objects the template may see: far beyond any real message, tool schema or
+# tool-call arguments, and small enough that rendering (``tojson``) and json.dumps never recurse too deep
+MAX_TEMPLATE_DEPTH = 64
+
+
+def _plain_scalar(value: Any) -> tuple[bool, Any]:
+    """(True, copy) for JSON scalars and non-container objects; (False, None) for containers."""
+    if value is None or type(value) in (str, int, float, bool):
+        return True, value
+    if isinstance(value, bool):
+        return True, bool(value)
+    if isinstance(value, str):
+        return True, str.__str__(value)
+    if isinstance(value, int):
+        return True, int.__int__(value)
+    if isinstance(value, float):
+        return True, float.__float__(value)
+    if isinstance(value, (Mapping, list, tuple)):
+        return False, None
+    item = getattr(value, "item", None)
+    if callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 0:
+        return _plain_scalar(item())  # a numpy scalar (an array becomes "<ndarray>" below)
+    return True, f"<{type(value).__name__}>"
+
+
+def _expand(value: Any) -> Any:
+    """A dataclass or pydantic model as its field mapping; anything else unchanged."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    dump = getattr(value, "model_dump", None)
+    if callable(dump) and not isinstance(value, (Mapping, list, tuple)):
+        return dump()
+    return value
+
+
+def plain_template_data(value: Any, max_depth: int = MAX_TEMPLATE_DEPTH) -> Any:
     """A fresh copy of ``value`` built from JSON types only; anything else becomes ``"<TypeName>"``.
 
     The template can then neither mutate the caller's messages nor reach methods of rich objects
     (decoded images, arrays) through the sandbox; templates only test media keys for presence.
+    Built without recursion; nesting deeper than ``max_depth`` raises ChatTemplateError (never
+    RecursionError), so a hostile input is refused like any other bad conversation.
     """
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {plain_template_data(k): plain_template_data(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain_template_data(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(plain_template_data(v) for v in value)
-    item = getattr(value, "item", None)
-    if callable(item) and type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 0:
-        return plain_template_data(item())  # a numpy scalar (an array becomes "<ndarray>" below)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_template_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return plain_template_data(dump())
-    return f"<{type(value).__name__}>"
+    value = _expand(value)
+    done, scalar = _plain_scalar(value)
+    if done:
+        return scalar
+    root: list[Any] = [None]
+    # (source container, destination, key in destination, depth): containers still to copy
+    stack: list[tuple[Any, Any, Any, int]] = [(value, root, 0, 1)]
+    tuples: list[tuple[Any, Any, list[Any]]] = []  # copied as lists, made tuples once filled
+    while stack:
+        source, dest, key, depth = stack.pop()
+        if depth > max_depth:
+            raise ChatTemplateError(f"input nested deeper than {max_depth} levels")
+        if isinstance(source, Mapping):
+            mapping: dict[Any, Any] = {}
+            for k, v in source.items():
+                k, v = plain_template_data(k, 1), _expand(v)  # keys are scalars in JSON
+                done, mapping[k] = _plain_scalar(v)
+                if not done:
+                    stack.append((v, mapping, k, depth + 1))
+            dest[key] = mapping
+            continue
+        items: list[Any] = []
+        for i, v in enumerate(source):
+            v = _expand(v)
+            done, scalar = _plain_scalar(v)
+            items.append(scalar)
+            if not done:
+                stack.append((v, items, i, depth + 1))
+        dest[key] = items
+        if isinstance(source, tuple):
+            tuples.append((dest, key, items))
+    for dest, key, items in reversed(tuples):  # inner tuples first, so outer ones hold them
+        dest[key] = tuple(items)
+    return root[0]
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +188,10 @@ def _parse_string_arguments(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 parsed = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # a hostile nesting depth stays a string
                 parsed = None
+            if isinstance(parsed, dict):
+                parsed = plain_template_data(parsed)  # refuses nesting beyond MAX_TEMPLATE_DEPTH
             if isinstance(parsed, dict):
                 target = {**target, "arguments": parsed}
                 call = {**call, "function": target} if isinstance(fn, dict) else target

@@ -107,6 +107,11 @@ class Frontend:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def min_tokens(self, n_bytes: int) -> int:
+        """Fewest tokens a text of ``n_bytes`` UTF-8 bytes encodes to (a bound gateways check before
+        tokenizing an absurdly long input)."""
+        return self.tokenizer.min_tokens(n_bytes)
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -7,6 +7,7 @@ and ``apply_chat_template`` + encode do); no BOS/EOS is ever added.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -26,6 +27,9 @@ SPECIAL_TOKEN_STRINGS: dict[str, str] = {
     "think_open": "<think>",
     "think_close": "</think>",
 }
+# NFC normalisation can shrink text before it is tokenized: three 3-byte Hangul jamo compose to one 3-byte
+# syllable; no composition shrinks more than that
+NFC_MAX_SHRINK = 3
 
 
 class TextTokenizer:
@@ -41,7 +45,21 @@ class TextTokenizer:
         self._added_text: dict[int, str] = {i: t.content for i, t in added.items()}
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it tokenizes, encode holds it throughout: one long text
+        # would stall every other Python thread (the HTTP server's event loop) until it is done
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for (every vocabulary string's
+        UTF-8 length, which for byte-level BPE is at least the bytes it decodes to), so a text of ``n``
+        bytes needs at least ``n / (max_token_bytes * NFC_MAX_SHRINK)`` tokens."""
+        return max(len(token.encode("utf-8")) for token in self._tok.get_vocab(with_added_tokens=True))
+
+    def min_tokens(self, n_bytes: int) -> int:
+        """Fewest tokens a text of ``n_bytes`` UTF-8 bytes can encode to: a bound checked before the full
+        tokenization of an absurdly long text."""
+        return n_bytes // (self.max_token_bytes * NFC_MAX_SHRINK)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
