@@ -380,6 +380,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reused_prefix_tokens: int = 0  # prompt tokens served from a cached checkpoint (not recomputed)
+    drafted_tokens: int = 0  # speculative decoding: draft tokens proposed for the request
+    accepted_draft_tokens: int = 0  # of them, those the verify accepted and the request kept
 
     @property
     def total_tokens(self) -> int:

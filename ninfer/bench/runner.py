@@ -80,6 +80,9 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         kernels=options.kernels,  # type: ignore[arg-type]
         speculative=options.speculative,
         warmup=True,
+        # the decode and prefill figures are of cold prompts: the bench repeats its prompts, which the
+        # context cache would otherwise serve
+        prefix_cache=False,
     )
 
 

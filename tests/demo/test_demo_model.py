@@ -11,9 +11,7 @@ from demo_helpers import fresh_rows_batch, perturbed_model
 from ninfer_tools.train_demo.model import causal_conv1d_batched, train_forward
 
 from ninfer.ops.conv import causal_conv1d
-from ninfer.ops.norm import rms_norm
-from ninfer.ops.rope import mrope_cos_sin
-from ninfer.targets.qwen3_6.model import StateStore, decoder_layer, forward
+from ninfer.targets.qwen3_6.model import StateStore, forward, mtp_forward
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.qwen3_6_demo import PACKAGE, VARIANT
 
@@ -72,33 +70,19 @@ def test_training_logits_equal_the_inference_forward(model_and_ids: tuple) -> No
     assert ours.logits.std() > 1.0  # not a degenerate comparison
 
 
-def test_mtp_equals_the_family_layer_over_paged_kv(model_and_ids: tuple) -> None:
-    """MTP slot i = layer(fc(cat[norm(embed(x_{i+1})), norm(h_i)])) at position i, by decoder_layer."""
+def test_mtp_equals_the_family_mtp_forward_over_paged_kv(model_and_ids: tuple) -> None:
+    """The trainer's MTP slot i (fc over [norm(embed(x_{i+1})); norm(h_i)] at position i, the MTP layer,
+    mtp.norm, lm_head) equals the family's `mtp_forward` over paged KV, the drafter's math."""
     model, ids = model_and_ids
     view = model.view()
-    mtp = view.mtp
-    assert mtp is not None
-    eps = VARIANT.rms_norm_eps
     with torch.no_grad():
         ours = train_forward(view, VARIANT, ids)
         assert ours.mtp_logits is not None and ours.mtp_logits.shape == (2, 79, VARIANT.vocab_size)
-        emb = F.embedding(ids[:, 1:], view.text.embed).reshape(-1, VARIANT.hidden_size)
         hid = ours.hidden[:, :-1].reshape(-1, VARIANT.hidden_size)
-        x = F.linear(
-            torch.cat(
-                (rms_norm(emb, mtp.pre_fc_norm_embedding, eps), rms_norm(hid, mtp.pre_fc_norm_hidden, eps)),
-                -1,
-            ),
-            mtp.fc,
-        )
         batch, _ = fresh_rows_batch(VARIANT, ids[:, 1:])
-        store = StateStore.allocate(VARIANT, 2, batch.block_table.numel(), 16, torch.float32, "cpu")
-        cos, sin = mrope_cos_sin(
-            batch.positions, VARIANT.rotary_dim, VARIANT.rope_theta, VARIANT.mrope_section
-        )
-        for layer in mtp.layers:
-            x = decoder_layer(layer, VARIANT, x, batch, store, cos, sin)
-        want = F.linear(rms_norm(x, mtp.norm, eps), view.text.lm_head).view(2, 79, -1)
+        store = StateStore.allocate_kv(VARIANT, 1, batch.block_table.numel(), 16, torch.float32, "cpu")
+        out = mtp_forward(view, VARIANT, ids[:, 1:].reshape(-1), hid, batch, store)
+        want = F.linear(out, view.text.lm_head).view(2, 79, -1)
     torch.testing.assert_close(ours.mtp_logits, want, **TOL)
 
 

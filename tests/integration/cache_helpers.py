@@ -25,6 +25,7 @@ from vision_oracle import SMALL_CONFIG, frontend  # noqa: E402
 
 from ninfer import EngineConfig, GenerationRequest, GenerationResult  # noqa: E402
 from ninfer.runtime.engine.engine import Engine  # noqa: E402
+from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft  # noqa: E402
 from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program  # noqa: E402
 from ninfer.targets.qwen3_6.view import ModelView  # noqa: E402
 from ninfer.targets.registry import PACKAGES  # noqa: E402
@@ -80,10 +81,12 @@ def build_engine(
     chunk: int = 32,
     capture_interval: int = 128,
     start_worker: bool = True,
+    draft_tokens: int = 0,
 ) -> Engine:
     """A CPU fp32 Engine on the tiny package (the `stopping_view` of its chats with ``thinking`` unless
     ``view``) with room for ``checkpoint_slots`` checkpoints (``kv_pages`` defaults to the lanes' own
-    pages plus as many again). ``start_worker=False``: no worker thread, the caller steps the core."""
+    pages plus as many again). ``start_worker=False``: no worker thread, the caller steps the core.
+    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round."""
     variant = PACKAGES[name].variant
     lane_pages = MAX_CONTEXT // PAGE_SIZE * max_concurrency
     program = Qwen36Program(
@@ -94,6 +97,7 @@ def build_engine(
             kv_pages=kv_pages if kv_pages is not None else 2 * lane_pages, device=torch.device("cpu"),
             dtype=torch.float32, checkpoint_slots=checkpoint_slots if prefix_cache else 0,
         ),
+        backend=MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None,
     )  # fmt: skip
     config = EngineConfig(
         max_concurrency=max_concurrency, device="cpu", dtype="float32", max_context=MAX_CONTEXT,

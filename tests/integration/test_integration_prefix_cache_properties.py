@@ -1,4 +1,5 @@
-"""Random schedules of cached requests on the real Program (tiny model, driven step by step): prompts
+"""Random schedules of cached requests on the real Program (tiny model, driven step by step; plain or MTP
+decoding, K = 2 or 3): prompts
 that share prefixes of one document, chat sessions whose next turn follows a finished one, up to four at
 once, few checkpoint slots (so eviction runs), cancellations between and during units, cache resets.
 
@@ -74,19 +75,21 @@ action = st.one_of(
 )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     mc=st.integers(1, 4),
     slots=st.integers(1, 6),
     chunk=st.integers(8, 48),
+    draft_tokens=st.sampled_from([0, 0, 2, 3]),
     actions=st.lists(action, min_size=10, max_size=30),
 )
 def test_cached_schedules_give_cold_tokens_and_keep_the_books_equal(
-    mc: int, slots: int, chunk: int, actions: list[tuple]
+    mc: int, slots: int, chunk: int, draft_tokens: int, actions: list[tuple]
 ) -> None:
     engine = build_engine(
-        NAME, max_concurrency=mc, checkpoint_slots=slots, chunk=chunk, capture_interval=48, start_worker=False
-    )
+        NAME, max_concurrency=mc, checkpoint_slots=slots, chunk=chunk, capture_interval=48,
+        start_worker=False, draft_tokens=draft_tokens,
+    )  # fmt: skip
     core = engine.core
     core.resources.cache.min_capture_gap = 16
     # each entry: (request, handle, messages or None); results[i] once the request ended

@@ -123,6 +123,11 @@ class OutputPreviewLike(Protocol):
     history renderer reproduces token for token once this turn is sent back as an assistant message
     (e.g. the end of the turn when the template keeps the turn as generated). The Engine checks the
     range and carries them in ``RowDecision.boundaries``; the Program makes them absolute.
+
+    Optional ``control_horizon: int | None`` (read with ``getattr``, default None): after this span,
+    the fewest tokens the next one may hold before the session may require forced control (a thinking
+    budget); the Engine caps the row's next decode budget there, so a unit that produces several tokens
+    (a speculative round) stops where one-token decoding would have been forced.
     """
 
     @property

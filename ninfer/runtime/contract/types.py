@@ -398,7 +398,9 @@ class PendingRow(NamedTuple):
     boundary positions into absolute ones with it); ``logprobs`` has one entry per produced token when
     the request asked for logprobs, else ``None`` (a ``force`` row may leave it ``None``: forced tokens
     were not sampled, and the Engine reports them with logprob 0.0); ``accept_meta`` is Program-private
-    per-position metadata for the accepted-prefix commit (e.g. which speculative state to select).
+    per-position metadata for the accepted-prefix commit (e.g. which speculative state to select);
+``drafted`` and ``draft_hits`` count a speculative unit's drafts (observability: the Engine sums the
+hits among the tokens it accepts).
 
     A NamedTuple, as ``RowDecision``: the Program builds one per row of every unit, on the host path
     between two decode steps, where a frozen dataclass costs about 1 us more to build. It is immutable
@@ -410,6 +412,8 @@ class PendingRow(NamedTuple):
     base_frontier: int
     logprobs: tuple[TokenLogprob, ...] | None = None
     accept_meta: object = None
+    drafted: int = 0  # draft tokens a speculative unit proposed for the row
+    draft_hits: int = 0  # how many of the leading ``tokens`` are drafts the verify accepted
 
     @property
     def produced(self) -> int:

@@ -132,11 +132,18 @@ class Committer:
         for end in ending:
             if end.preview is not None:  # a cancelled row accepts nothing
                 end.record.generated += end.preview.accepted
+                if end.row.drafted:
+                    end.record.drafted_tokens += end.row.drafted
+                    end.record.accepted_draft_tokens += min(end.row.draft_hits, end.preview.accepted)
         for record, preview, row in continuing:
             record.generated += len(row.tokens)
+            if row.drafted:
+                record.drafted_tokens += row.drafted
+                record.accepted_draft_tokens += row.draft_hits
             if record.state is RequestState.PREFILL:
                 record.prompt_remaining = 0
                 core.prefill_done(record)
+            record.control_horizon = getattr(preview, "control_horizon", None)
             force = tuple(preview.force_tokens)[: record.remaining_budget] if preview.force_tokens else ()
             record.pending_force = force
             record.state = RequestState.CONTROL_READY if force else RequestState.DECODE_READY

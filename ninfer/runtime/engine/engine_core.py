@@ -462,7 +462,8 @@ class EngineCore:
             budgets: list[int] = []
             for record in unit.members:
                 handles.append(self._handle(record))
-                budgets.append(record.remaining_budget)
+                budget, horizon = record.remaining_budget, record.control_horizon
+                budgets.append(budget if horizon is None or horizon >= budget else horizon)
             batch = self.program.decode(
                 handles,
                 budgets,

@@ -229,6 +229,12 @@ class RequestRecord:
     # context cache: the session key (a lookup hint), whether the request takes part at all, the prompt
     # positions still to capture at, and whether its committed output so far ends at a point the history
     # renderer reproduces (the Frontend's boundary at the end of its last committed span)
+    # the Frontend's cap on the next decode unit's tokens (a thinking budget; None: none), from the
+    # preview of the row's last committed span
+    control_horizon: int | None = None
+    # speculative decoding: drafts proposed for the request, and those of them it kept
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
     session_id: str | None = None
     prefix_cache: bool = True
     capture_points: list[int] = field(default_factory=list)
@@ -276,6 +282,8 @@ class RequestRecord:
                 prompt_tokens=len(self.plan.prompt_token_ids),
                 completion_tokens=self.generated,
                 reused_prefix_tokens=self.reused_prefix_tokens,
+                drafted_tokens=self.drafted_tokens,
+                accepted_draft_tokens=self.accepted_draft_tokens,
             ),
             logprobs=logprobs,
             error=self.error,

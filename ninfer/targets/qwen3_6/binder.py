@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from ninfer.artifact.loader import DEFAULT_STAGING_BYTES, LoadReport
 from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView, place_tensor, target_dtype
-from ninfer.targets.qwen3_6.weights import WeightSpec, fused_row_groups, weight_schema
+from ninfer.targets.qwen3_6.weights import WeightGroup, WeightSpec, fused_row_groups, weight_schema
 
 __all__ = [
     "LoadedModel",
@@ -66,6 +66,7 @@ def load_model(
     *,
     progress: bool = False,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    groups: Collection[WeightGroup] = ("text",),
 ) -> LoadedModel:
     """Open a `.ninfer` artifact, resolve and check its package, and bind its tensors on ``device``.
 
@@ -74,8 +75,9 @@ def load_model(
     follow the schema. Text tensors land in buffers laid out as the module docstring says, streamed in
     file order through staging buffers of ``staging_bytes`` (``progress``: a progress line on stderr).
     On CPU without a cast the view's tensors stay zero-copy views of the mapping.
-    MTP and vision weights stay in host memory, zero-copy and as stored: no forward reads them yet, and
-    on a GPU they would take ~1.6 GiB (27B) to 2.4 GiB (35B-A3B) of device memory for nothing.
+    Weights of the other ``groups`` (``mtp``, ``vision``) go to ``device`` in ``dtype`` too, one tensor
+    at a time; the rest stay in host memory, zero-copy and as stored (the MTP layer takes ~1.6 GiB on
+    the 27B, which a Engine without MTP decoding never reads).
     """
     from ninfer.artifact import Artifact  # imported here: the model does not need it
     from ninfer.artifact.loader import load_artifact_tensors
@@ -101,7 +103,11 @@ def load_model(
             shapes = {name: desc.shape for name, desc in text.items()}
             tensors = allocate_text_weights(package.variant, shapes, targets, device)
             report = load_artifact_tensors(artifact, tensors, staging_bytes=staging_bytes, progress=progress)
-        for name in names - tensors.keys():  # MTP, vision, and names outside the schema (reported)
+        others = {spec.name: spec for spec in present if spec.group != "text" and spec.group in groups}
+        for name, spec in others.items():
+            stored = artifact.tensor(name)
+            tensors[name] = stored.to(device=device, dtype=target_dtype(spec, stored.dtype, dtype))
+        for name in names - tensors.keys():  # the other groups, and names outside the schema (reported)
             tensors[name] = artifact.tensor(name)
     return LoadedModel(package, ModelView.from_tensors(package.variant, tensors), report)
 

@@ -51,6 +51,7 @@ __all__ = [
     "ForwardOutput",
     "forward",
     "decoder_layer",
+    "mtp_forward",
     "attention_mixer",
     "attention_qkv",
     "attention_projection",
@@ -117,6 +118,20 @@ class StateStore:
             v_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
         )
 
+    @classmethod
+    def allocate_kv(
+        cls, variant: Variant, layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> StateStore:  # fmt: skip
+        """KV pages only, for ``layers`` attention layers outside the text model (a drafter's, e.g. the
+        MTP layer): the same page ids and layout as the text model's pool, no GDN slots."""
+        kv_shape = (layers, num_pages, page_size, variant.num_kv_heads, variant.head_dim)
+        empty = torch.zeros(0, device=device)
+        return cls(
+            conv=empty, rec=empty, k_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
+            v_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
+        )  # fmt: skip
+
     @staticmethod
     def slot_bytes(variant: Variant, dtype: torch.dtype) -> int:
         """Bytes of one StateImage slot: every GDN layer's conv window and fp32 recurrent state."""
@@ -126,10 +141,12 @@ class StateStore:
         return len(variant.gdn_layers) * (conv + rec)
 
     @staticmethod
-    def page_bytes(variant: Variant, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV page id: K and V of ``page_size`` positions in every attention layer."""
+    def page_bytes(variant: Variant, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        """Bytes of one KV page id: K and V of ``page_size`` positions in every attention layer (and
+        ``extra_layers`` more: a drafter's, which use the same page ids)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(variant.attention_layers) * page_size * variant.num_kv_heads * variant.head_dim * elem
+        layers = len(variant.attention_layers) + extra_layers
+        return 2 * layers * page_size * variant.num_kv_heads * variant.head_dim * elem
 
     @property
     def num_slots(self) -> int:
@@ -391,6 +408,43 @@ def decoder_layer(
     mixed = _mixer(layer, variant, h, batch, store, cos, sin, kernels)
     h, x = kernels.add_rms_norm(mixed, x, layer.post_attention_norm, eps)
     return x + mlp(layer.mlp, variant, h, decode=batch.uniform, kernels=kernels)
+
+
+def mtp_forward(
+    view: ModelView,
+    variant: Variant,
+    token_ids: Tensor,
+    hidden: Tensor,
+    batch: StepBatch,
+    store: StateStore,
+    kernels: Kernels = REFERENCE,
+) -> Tensor:
+    """The MTP block over ``batch``'s layout: token i's input is ``fc([norm_e(embed(token_ids[i]));
+    norm_h(hidden[i])])`` (the embedding first), where ``hidden[i]`` is the text model's final-norm
+    hidden state at token i's position (or, chaining, the MTP's own previous output) and
+    ``token_ids[i]`` the token after that position; then the MTP layer(s) at those positions with their
+    own KV in ``store`` (`StateStore.allocate_kv`), then ``mtp.norm``. Returns that normed output
+    [N, H]: the next chain step's ``hidden``, and through ``lm_head`` the logits of the token after
+    ``token_ids[i]``. Math: shared/reference/speculative-decoding.md section 4."""
+    mtp = view.mtp
+    if mtp is None:
+        raise ValueError("this model has no MTP layer")
+    eps = variant.rms_norm_eps
+    emb = F.embedding(token_ids, view.text.embed)
+    joined = torch.cat(
+        (
+            kernels.rms_norm(emb, mtp.pre_fc_norm_embedding, eps),
+            kernels.rms_norm(hidden, mtp.pre_fc_norm_hidden, eps),
+        ),
+        dim=-1,
+    )
+    x = kernels.linear(joined, mtp.fc)
+    cos, sin = kernels.mrope_cos_sin(
+        batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section
+    )
+    for layer in mtp.layers:
+        x = decoder_layer(layer, variant, x, batch, store, cos, sin, kernels)
+    return kernels.rms_norm(x, mtp.norm, eps)
 
 
 # ---- gated attention ----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from ninfer.targets.qwen3_6.impl.runtime.backends import DecodeBackend
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
-from ninfer.types import EngineConfig
+from ninfer.targets.qwen3_6.weights import WeightGroup
+from ninfer.types import EngineConfig, parse_speculative
 
 # Without an explicit max_context a Program holds this many positions per request (bounded so the
 # default KV pool stays small; the model itself allows variant.max_position_embeddings).
@@ -65,7 +66,12 @@ def open_artifact(
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, storage, device)
-    loaded = load_model(artifact_path, device, dtype)
+    # the MTP layer only where it drafts; the vision tower wherever the package has one
+    groups: list[WeightGroup] = ["text", "vision"]
+    spec = parse_speculative(config.speculative) if config.purpose == "generation" else None
+    if spec is not None and spec.method == "mtp":
+        groups.append("mtp")
+    loaded = load_model(artifact_path, device, dtype, groups=groups)
     view = loaded.view
     with Artifact.open(artifact_path) as artifact:
         frontend = frontend_from_artifact(artifact, package.variant)
@@ -102,13 +108,14 @@ def build_program(
             f"max_context {max_context} exceeds the model's {variant.max_position_embeddings} positions"
         )
     lookahead = resolve_lookahead(config.decode_lookahead, device)
-    backend = decode_backend(config, lookahead)
+    backend = decode_backend(config, lookahead, variant)
     # every lane can reach max_context, plus the positions a verify writes past its last token
     pages_per_seq = -(-(max_context + backend.extra_tokens) // config.page_size)
     lane_slots = backend.slots_per_sequence * config.max_concurrency
     lane_pages = pages_per_seq * config.max_concurrency
-    _check_state_memory(variant, config, device, dtype, lane_slots, lane_pages, max_context)
-    cache_slots, cache_pages = cache_resources(variant, config, device, dtype, lane_slots, lane_pages)
+    extra = backend.kv_layers
+    _check_state_memory(variant, config, device, dtype, lane_slots, lane_pages, max_context, extra)
+    cache_slots, cache_pages = cache_resources(variant, config, device, dtype, lane_slots, lane_pages, extra)
     program_config = ProgramConfig(
         max_concurrency=config.max_concurrency,
         max_context=max_context,
@@ -125,11 +132,11 @@ def build_program(
     return Qwen36Program(variant, view, program_config, backend=backend)
 
 
-def decode_backend(config: EngineConfig, lookahead: bool) -> DecodeBackend:
+def decode_backend(config: EngineConfig, lookahead: bool, variant: Variant) -> DecodeBackend:
     """The Program's decode backend for ``config.speculative`` (docs/engine.md, "Decode backends")."""
     from ninfer.targets.qwen3_6.impl.runtime.backends.known import KnownContinuation, scripted_acceptance
+    from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft
     from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
-    from ninfer.types import parse_speculative
 
     spec = parse_speculative(config.speculative)
     if spec is None:
@@ -141,18 +148,19 @@ def decode_backend(config: EngineConfig, lookahead: bool) -> DecodeBackend:
             continuation=lambda seq: (),
             acceptance=scripted_acceptance(spec.mean_accepted),
         )
-    raise ValueError(f"speculative {config.speculative!r}: the MTP backend is not built yet")
+    if not variant.mtp_num_hidden_layers:
+        raise ValueError(f"speculative {config.speculative!r}: this model has no MTP layer")
+    return MtpDraft(draft_tokens=spec.draft_tokens, layers=variant.mtp_num_hidden_layers)
 
 
-def state_bytes(variant: Variant, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of the Program's StateStore: GDN conv + fp32 recurrent slots, and K/V pages."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    n_gdn, n_attn = len(variant.gdn_layers), len(variant.attention_layers)
-    conv = n_gdn * num_slots * variant.conv_dim * (variant.linear_conv_kernel_dim - 1) * elem
-    rec = n_gdn * num_slots * variant.linear_num_value_heads * variant.linear_key_head_dim
-    rec *= variant.linear_value_head_dim * 4
-    kv = 2 * n_attn * num_pages * page_size * variant.num_kv_heads * variant.head_dim * elem
-    return conv + rec + kv
+def state_bytes(
+    variant: Variant, num_slots: int, num_pages: int, page_size: int, dtype: torch.dtype,
+    extra_layers: int = 0,
+) -> int:  # fmt: skip
+    """Bytes of the Program's StateStore (GDN conv + fp32 recurrent slots, K/V pages) and of the decode
+    backend's ``extra_layers`` of KV in the same pages."""
+    slot = StateStore.slot_bytes(variant, dtype)
+    return num_slots * slot + num_pages * StateStore.page_bytes(variant, page_size, dtype, extra_layers)
 
 
 def working_space(config: EngineConfig, device: torch.device, max_image_tokens: int) -> int:
@@ -165,7 +173,7 @@ def working_space(config: EngineConfig, device: torch.device, max_image_tokens: 
 
 def cache_resources(
     variant: Variant, config: EngineConfig, device: torch.device, dtype: torch.dtype, lane_slots: int,
-    lane_pages: int,
+    lane_pages: int, extra_layers: int = 0,
 ) -> tuple[int, int]:  # fmt: skip
     """State slots and KV pages for the context cache beyond the lanes' own (docs/resources-and-context-
     cache.md, "Sizing"): ``cache_memory_gb``, else on CUDA a share of the memory left free after the
@@ -174,7 +182,7 @@ def cache_resources(
     if not config.prefix_cache:
         return 0, 0
     slot = StateStore.slot_bytes(variant, dtype)
-    page = StateStore.page_bytes(variant, config.page_size, dtype)
+    page = StateStore.page_bytes(variant, config.page_size, dtype, extra_layers)
     if config.cache_memory_gb is not None:
         budget = int(config.cache_memory_gb * 2**30)
     elif device.type == "cuda":
@@ -190,13 +198,13 @@ def cache_resources(
 
 def _check_state_memory(
     variant: Variant, config: EngineConfig, device: torch.device, dtype: torch.dtype, lane_slots: int,
-    lane_pages: int, max_context: int,
+    lane_pages: int, max_context: int, extra_layers: int = 0,
 ) -> None:  # fmt: skip
     """Refuse, with the flags to change, a lane KV pool (and an explicit cache budget) that cannot fit
     next to the weights."""
     if device.type != "cuda":
         return
-    need = state_bytes(variant, lane_slots, lane_pages, config.page_size, dtype)
+    need = state_bytes(variant, lane_slots, lane_pages, config.page_size, dtype, extra_layers)
     cache = int(config.cache_memory_gb * 2**30) if config.prefix_cache and config.cache_memory_gb else 0
     free, _ = torch.cuda.mem_get_info(device)
     image_tokens = config.max_image_tokens if variant.vision is not None else 0

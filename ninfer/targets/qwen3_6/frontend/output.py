@@ -125,6 +125,7 @@ class LazyPreview:
         "stop_reason",
         "in_think",
         "think_tokens",
+        "control_horizon",
         "_turn",
         "_boundaries",
         "_session",
@@ -149,6 +150,7 @@ class LazyPreview:
         self.stop_reason = stop_reason
         self.in_think = in_think  # thinking counters after the span
         self.think_tokens = think_tokens
+        self.control_horizon = session._horizon(in_think, think_tokens)
         self._turn: _TurnState | None = None  # set by the session when the span ends the turn
         self._boundaries: tuple[int, ...] | None = None
         self._session = session
@@ -352,8 +354,9 @@ class OutputSession:
         ends_turn = stop_reason == self._im_end and self._turn_head
         boundaries = self._turn_boundaries(delta, self._turn_state()) if ends_turn else ()
         preview = OutputPreview(
-            accepted=accepted, stop=stop, delta=delta, force_tokens=force, boundaries=boundaries
-        )
+            accepted=accepted, stop=stop, delta=delta, force_tokens=force, boundaries=boundaries,
+            control_horizon=self._horizon(in_think, think_tokens),
+        )  # fmt: skip
         self._pending = preview
         self._pending_eager = (st, stop_reason, in_think, think_tokens)
         return preview
@@ -446,6 +449,15 @@ class OutputSession:
         if not rendered or self._tokenizer.decode(produced) != rendered:
             return ()
         return (len(delta.token_ids),) if tuple(self._tokenizer.encode(rendered)) == produced else ()
+
+    def _horizon(self, in_think: bool, think_tokens: int) -> int | None:
+        """The fewest tokens after which the thinking budget may ask for forced control (None: it never
+        will): a decode unit that produces no more than this many never overruns the budget."""
+        budget = self._thinking_budget
+        if budget is None:
+            return None
+        left = max(0, budget - think_tokens)
+        return max(1, left) if in_think else 1 + left  # out of a block: its opening token first
 
     def _budget_force(self, in_think: bool, think_tokens: int) -> tuple[int, ...]:
         budget = self._thinking_budget

@@ -166,6 +166,8 @@ class OutputPreview:
     (positions ``1..accepted`` relative to the span) are where the output so far, after the prompt, is
     reproduced token for token by the history renderer once the turn is sent back as an assistant
     message: the end of the turn (its ``<|im_end|>``) when the template keeps the turn as generated.
+    ``control_horizon``: after this span, the fewest tokens a later span may hold before the thinking
+    budget may ask for forced control (None: no budget), so a speculative round never overruns it.
     """
 
     accepted: int
@@ -173,3 +175,4 @@ class OutputPreview:
     delta: OutputDelta
     force_tokens: tuple[int, ...] = field(default=())
     boundaries: tuple[int, ...] = field(default=())
+    control_horizon: int | None = None

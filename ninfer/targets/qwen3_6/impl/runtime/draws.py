@@ -184,7 +184,7 @@ class Sampler:
             return t.to("cpu", non_blocking=True)
 
         queued = QueuedVerify(
-            host(result.tokens), host(result.accepted),
+            result.tokens, result.accepted, host(result.tokens), host(result.accepted),
             host(result.logprob) if want_logprobs else None,
             host(result.top_ids) if top_n else None, host(result.top_logprobs) if top_n else None, None,
         )  # fmt: skip
@@ -198,6 +198,8 @@ class Sampler:
 class QueuedVerify:
     """A verify unit's tokens at every position, accepted counts and log-probs on their way to the host."""
 
+    drawn: torch.Tensor  # [B, T] the tokens on the device (a drafter's next inputs)
+    drawn_accepted: torch.Tensor  # [B] the accepted draft counts on the device
     tokens: torch.Tensor  # [B, T] host copy
     accepted: torch.Tensor  # [B]
     logprob: torch.Tensor | None  # [B, T]

@@ -120,10 +120,17 @@ class Qwen36Program:
             extra_tokens=self.backend.extra_tokens,
             checkpoint_slots=config.checkpoint_slots,
             slot_bytes=StateStore.slot_bytes(variant, config.dtype),
-            page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype),
+            page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype, self.backend.kv_layers),
         )
         self.store = StateStore.allocate(
             variant, self.book.slots.size, config.kv_pages, config.page_size, config.dtype, config.device
+        )
+        # the decode backend's own KV (a drafter's attention layers), in pages of the text model's ids
+        layers, pages = self.backend.kv_layers, config.kv_pages
+        self.backend_kv = (
+            StateStore.allocate_kv(variant, layers, pages, config.page_size, config.dtype, config.device)
+            if layers
+            else None
         )
         # block tables are resources built once: one row per sequence index, written at materialization
         self._block_tables = torch.zeros(
@@ -141,7 +148,7 @@ class Qwen36Program:
             graph_shapes=self.backend.graph_shapes(n) if graphs else (),
             scratch_slot=0,
         )
-        self.backend.bind(self.executor, self.sampler)  # type: ignore[attr-defined]
+        self.backend.bind(self.executor, self.sampler, self.backend_kv)
         self._sequences: dict[int, SequenceState] = {}
         self._batch_ids = itertools.count(1)
         self._open_pending: PendingBatch | None = None
@@ -295,8 +302,9 @@ class Qwen36Program:
                 store.rec[:, dst].copy_(store.rec[:, src])
             if copies.page is not None:
                 src, dst = copies.page
-                store.k_pages[:, dst].copy_(store.k_pages[:, src])
-                store.v_pages[:, dst].copy_(store.v_pages[:, src])
+                for kv in (store, self.backend_kv) if self.backend_kv is not None else (store,):
+                    kv.k_pages[:, dst].copy_(kv.k_pages[:, src])
+                    kv.v_pages[:, dst].copy_(kv.v_pages[:, src])
 
     def _handover(self, handle: SequenceHandle) -> None:
         """Before a sequence's slots and pages change owner: no unit of it may still be queued."""
@@ -324,7 +332,10 @@ class Qwen36Program:
         splice = seq.images.splice(start, end, self.view, self.variant) if seq.images is not None else None
         if remaining > budget_tokens:
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
-            self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
+            run = self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
+            if self.backend.observes_steps:
+                following = self._on_device(seq.prompt[start + 1 : end + 1])
+                self.backend.observe([seq], run, following, drafts=False)
             seq.frontier += len(chunk)
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
         out = seq.spare
@@ -332,7 +343,12 @@ class Qwen36Program:
             run = self.executor.uniform([seq], chunk, 1, state_in=[seq.current], state_out=[out])
         else:
             run = self.executor.ragged([seq], [chunk], state_out=[out], logits="last", splice=splice)
-        rows = self.sampler.draw([seq], run).rows([seq], [RowCommit((out,), consumed=len(chunk))])
+        queued = self.sampler.draw([seq], run)
+        if self.backend.observes_steps:
+            # the token after each prompt position: the next prompt token, after the last the drawn one
+            following = torch.cat((self._on_device(seq.prompt[start + 1 : end]), queued.drawn.view(1)))
+            self.backend.observe([seq], run, following, drafts=True)
+        rows = queued.rows([seq], [RowCommit((out,), consumed=len(chunk))])
         return self._open("prefill", rows)
 
     @torch.inference_mode()
@@ -380,9 +396,10 @@ class Qwen36Program:
         inputs = (seq.pending_input, *tokens[:-1])
         want = seq.logprobs.enabled
         out = seq.spare
-        logits = self.executor.ragged(
-            [seq], [inputs], state_out=[out], logits="all" if want else "none"
-        ).logits
+        run = self.executor.ragged([seq], [inputs], state_out=[out], logits="all" if want else "none")
+        if self.backend.observes_steps:
+            self.backend.observe([seq], run, self._on_device(tokens), drafts=True)
+        logits = run.logits
         # log-probs the model gave the forced tokens (reported like sampled ones; no sampler, no RNG)
         logprobs = forced_logprobs(logits, tokens, seq.logprobs.top_n) if want else None
         row = PendingRow(handle, tokens, seq.frontier, logprobs, RowCommit((out,), consumed=len(inputs)))
@@ -424,6 +441,13 @@ class Qwen36Program:
         # nothing to undo: the spare slots and KV beyond the frontier are simply overwritten later
 
     # ---- internals ------------------------------------------------------------------------------
+    def _on_device(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Token ids as a device tensor (through pinned memory on CUDA: no wait for the queue)."""
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        if self.config.device.type == "cuda":
+            ids = ids.pin_memory()
+        return ids.to(self.config.device, non_blocking=True)
+
     def _open(self, kind: PendingKind, rows: Sequence[PendingRow]) -> PendingBatch:
         pending = PendingBatch(self.owner, next(self._batch_ids), kind, rows)
         self._open_pending = pending

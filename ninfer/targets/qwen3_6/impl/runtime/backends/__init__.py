@@ -10,7 +10,8 @@ backend owns what happens inside a decode unit:
 - ``known`` (`KnownContinuation`): a test and benchmark backend that proposes K given tokens per row
   (a known continuation of the sequence), verifies them in one step of K + 1 tokens per row through the
   real verify step and the exact acceptance rule, and commits the accepted prefix by slot selection.
-- MTP, DFlash, DFlash2: the speculative backends, built on the same verify step and commit.
+- ``mtp`` (`MtpDraft`): the model's own MTP layer drafts K tokens a row, verified like ``known``'s.
+- DFlash, DFlash2: later speculative backends, on the same verify step and commit (`verify.VerifyRound`).
 
 Every row a backend returns carries a `RowCommit` (``PendingRow.accept_meta``): the slot holding the
 state after each position the unit ran, so that commit of ``a`` accepted tokens advances the frontier by
@@ -22,8 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+import torch
+
 from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle
+from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, StepRun
+from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.model import StateStore
 
 
 class RowCommit(NamedTuple):
@@ -54,6 +60,30 @@ class DecodeBackend(Protocol):
     def extra_tokens(self) -> int:
         """KV positions a unit may write past a sequence's last allowed token (a verify's drafts), which
         every reservation includes."""
+        ...
+
+    @property
+    def kv_layers(self) -> int:
+        """Attention layers of the backend's own (a drafter's), whose KV the Program keeps in pages of
+        the same ids as the text model's (`StateStore.allocate_kv`), so checkpoints hold it too."""
+        ...
+
+    def bind(self, executor: StepExecutor, sampler: Sampler, kv: StateStore | None) -> None:
+        """The Program's executor, sampler and the backend's KV store (built after the backend, which
+        sizes them)."""
+        ...
+
+    @property
+    def observes_steps(self) -> bool:
+        """The backend wants `observe` calls (a drafter conditioned on the target's hidden states)."""
+        ...
+
+    def observe(
+        self, seqs: Sequence[SequenceState], run: StepRun, following: torch.Tensor, *, drafts: bool
+    ) -> None:
+        """A prefill chunk or forced control ran outside the backend: ``run`` holds its hidden states and
+        ``following`` [N] (on the device) the token after each of its inputs; with ``drafts`` the rows
+        decode next (a drafter proposes from their last positions). Queued on the device, no sync."""
         ...
 
     def graph_shapes(self, max_batch: int) -> list[tuple[int, int]]:

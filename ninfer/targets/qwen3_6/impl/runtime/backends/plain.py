@@ -20,11 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle
 from ninfer.targets.qwen3_6.impl.runtime.backends import RowCommit
-from ninfer.targets.qwen3_6.impl.runtime.draws import Queued, Sampler, gather_rows
+from ninfer.targets.qwen3_6.impl.runtime.draws import Queued, Sampler, StepRun, gather_rows
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.model import StateStore
 
 
 @dataclass(eq=False)
@@ -49,9 +52,16 @@ class PlainDecode:
         self._executor: StepExecutor | None = None
         self._sampler: Sampler | None = None
 
-    def bind(self, executor: StepExecutor, sampler: Sampler) -> None:
-        """The Program's executor and sampler (built after the backend, which sizes them)."""
+    kv_layers = 0
+    observes_steps = False
+
+    def bind(self, executor: StepExecutor, sampler: Sampler, kv: StateStore | None = None) -> None:
         self._executor, self._sampler = executor, sampler
+
+    def observe(
+        self, seqs: Sequence[SequenceState], run: StepRun, following: torch.Tensor, *, drafts: bool
+    ) -> None:
+        pass  # no drafter
 
     @property
     def slots_per_sequence(self) -> int:

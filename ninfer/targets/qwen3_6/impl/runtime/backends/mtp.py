@@ -1,0 +1,198 @@
+"""`MtpDraft`: speculative decoding with the model's own MTP layer (``mtp:K``).
+
+The MTP block (`model.mtp_forward`) at position p takes the text model's final-norm hidden state h_p
+and the token t_{p+1} after it, writes its own attention layer's K/V at p, and predicts t_{p+2}. Its KV
+lives in pages of the same ids as the text model's (`StateStore.allocate_kv`), so a sequence's block
+table maps both, a checkpoint holds both, and positions past the frontier are provisional exactly like
+the text model's.
+
+What runs where (all of it queued on the device, read back with the unit's tokens):
+- every prefill chunk and forced control (`observe`): the MTP over the chunk's positions, paired with
+  the token after each (the next prompt token; after the prompt's last, the sampled first token), so
+  the MTP KV covers every committed position; after the last chunk or a forced span, the drafts;
+- every decode round (`after_verify`, after the shared verify of `verify.VerifyRound`): the MTP over the
+  round's K + 1 positions paired with the target's tokens there (the accepted drafts and the
+  correction or bonus token), then the drafts from the position of the row's last accepted token.
+Drafts chain K deep: draft 1 from the MTP at the last position, draft k + 1 from the MTP one position on,
+fed draft k and the MTP's own previous output (after ``mtp.norm``), all greedy. The chain writes MTP KV
+up to 2K - 1 positions past the frontier before the next round overwrites them; the reservation covers
+them (`extra_tokens`).
+
+Lossless by construction: the verify accepts by the target's rule, whatever the drafts are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.runtime.contract.types import ProgramInvariantError, SequenceHandle
+from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
+from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, StepRun
+from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.model import StepBatch, mtp_forward
+
+
+@dataclass(eq=False)
+class _Drafts:
+    """A row's drafts for the round at ``frontier``, on their way to the host."""
+
+    handle: SequenceHandle
+    frontier: int  # the committed frontier the drafts follow (the row accepts all it produced)
+    host: torch.Tensor  # [K]
+    done: torch.cuda.Event | None
+    # after a verify: the frontier before it and the MTP's output at each of its positions, to draft
+    # again from an earlier one when the row commits fewer than it could have (a decode budget the
+    # Frontend capped: `VerifyRound` produced less than the drafts assumed)
+    base: int | None = None
+    outputs: torch.Tensor | None = None  # [K + 1, H]
+
+
+class MtpDraft(VerifyRound):
+    name = "mtp"
+    observes_steps = True
+
+    def __init__(self, *, draft_tokens: int, layers: int) -> None:
+        super().__init__(draft_tokens=draft_tokens)
+        self._layers = layers
+        self._pending: dict[int, _Drafts] = {}  # sequence index -> its next round's drafts
+
+    @property
+    def kv_layers(self) -> int:
+        return self._layers
+
+    @property
+    def extra_tokens(self) -> int:
+        """The verify's K drafts past the last allowed token, and the chain's K - 1 MTP positions past a
+        row that ends inside its draft."""
+        return 2 * self.draft_tokens
+
+    # ---- drafting ----
+    def drafts(self, seq: SequenceState) -> list[int]:
+        pending = self._pending.get(seq.handle.index)
+        if pending is None or pending.handle != seq.handle:
+            raise ProgramInvariantError(f"{seq.handle} has no MTP drafts")
+        if pending.frontier != seq.frontier:
+            if (
+                pending.base is None
+                or pending.outputs is None
+                or not pending.base < seq.frontier < pending.frontier
+            ):
+                raise ProgramInvariantError(f"{seq.handle} has no MTP drafts for frontier {seq.frontier}")
+            # the row committed a prefix of its round: draft again from its last committed position
+            last = seq.frontier - 1
+            at = torch.tensor([last], dtype=torch.long, device=pending.outputs.device)
+            self._chain(
+                [seq], pending.outputs[last - pending.base : last - pending.base + 1], at, [seq.frontier]
+            )
+            pending = self._pending[seq.handle.index]
+        if pending.done is not None:
+            pending.done.synchronize()
+        return [int(t) for t in pending.host.tolist()]
+
+    def observe(
+        self, seqs: Sequence[SequenceState], run: StepRun, following: torch.Tensor, *, drafts: bool
+    ) -> None:
+        assert self._executor is not None and run.hidden is not None
+        batch = self._executor.steps.unpack(run.step)
+        out = self._mtp(following, run.hidden, batch)
+        if drafts:  # the rows commit their whole span: the drafts follow its end
+            ends = [seq.frontier + n for seq, n in zip(seqs, _row_lengths(batch))]
+            last = batch.query_start[1:].long() - 1
+            positions = torch.tensor(ends, dtype=torch.long, device=out.device) - 1
+            self._chain(seqs, out.index_select(0, last), positions, ends)
+
+    def after_verify(self, seqs: Sequence[SequenceState], run: StepRun, queued: QueuedVerify) -> None:
+        assert self._executor is not None and run.hidden is not None
+        batch = self._executor.steps.unpack(run.step)
+        t = self.tokens_per_step
+        out = self._mtp(queued.drawn.flatten(), run.hidden, batch)
+        # the row's last accepted position: the frontier plus the drafts it accepted (whose MTP output
+        # pairs it with the target's token after them); the frontier the drafts follow is known once the
+        # acceptance is read back (`after_read`)
+        accepted = queued.drawn_accepted.long()
+        last = torch.arange(len(seqs), device=out.device) * t + accepted
+        frontiers = torch.tensor([s.frontier for s in seqs], dtype=torch.long, device=out.device)
+        self._chain(seqs, out.index_select(0, last), frontiers + accepted, None)
+        outputs = out.view(len(seqs), t, -1)
+        for i, seq in enumerate(seqs):
+            pending = self._pending[seq.handle.index]
+            pending.base, pending.outputs = seq.frontier, outputs[i]
+
+    def after_read(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
+        for seq, a in zip(seqs, accepted):  # the drafts follow the row's whole round
+            self._pending[seq.handle.index].frontier = seq.frontier + a + 1
+
+    def _mtp(self, following: torch.Tensor, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        executor = self._executor
+        assert executor is not None and self._kv is not None
+        view, variant, kernels = executor.view, executor.variant, executor.kernels
+        return mtp_forward(view, variant, following, hidden, batch, self._kv, kernels)
+
+    def _chain(
+        self,
+        seqs: Sequence[SequenceState],
+        out: torch.Tensor,
+        positions: torch.Tensor,
+        frontiers: Sequence[int] | None,
+    ) -> None:
+        """The next round's drafts of each row: draft 1 from the MTP output ``out`` [B, H] at the row's
+        last position (``positions``, on the device), then K - 1 chained MTP steps one position on each;
+        their host copy is queued, tagged with the frontier the row reaches when it commits all it
+        produced (``frontiers``; after a verify, set once its acceptance is read)."""
+        executor = self._executor
+        assert executor is not None
+        kernels, lm_head = executor.kernels, executor.view.text.lm_head
+        drafts = [kernels.argmax(kernels.logits(out, lm_head), None)]
+        for k in range(1, self.draft_tokens):
+            out = self._mtp(drafts[-1], out, self._chain_step(seqs, drafts[-1], positions + k))
+            drafts.append(kernels.argmax(kernels.logits(out, lm_head), None))
+        proposed = torch.stack(drafts, dim=1)  # [B, K]
+        host = proposed.to("cpu", non_blocking=True)
+        done = None
+        if proposed.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        for i, seq in enumerate(seqs):
+            frontier = frontiers[i] if frontiers is not None else -1
+            self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)
+
+    def _chain_step(
+        self, seqs: Sequence[SequenceState], tokens: torch.Tensor, positions: torch.Tensor
+    ) -> StepBatch:
+        """A one-token-per-row step at device ``positions`` (no host sync): the MTP layer's attention
+        reads the row's block table and writes its KV slot there; no GDN state is touched."""
+        executor = self._executor
+        assert executor is not None
+        steps = executor.steps
+        device = positions.device
+        rows = len(seqs)
+        index = torch.tensor([s.handle.index for s in seqs], dtype=torch.long, device=device)
+        delta = torch.tensor([s.rope_delta for s in seqs], dtype=torch.long, device=device)
+        table = steps.block_tables.index_select(0, index)
+        ps = steps.page_size
+        page = table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1).long()
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return StepBatch(
+            token_ids=tokens,
+            positions=(positions + delta).expand(3, -1),
+            query_start=torch.arange(rows + 1, dtype=torch.int32, device=device),
+            context_lens=(positions + 1).int(),
+            block_table=table,
+            slot_mapping=page * ps + positions % ps,
+            state_in=zeros,
+            state_out=zeros,
+            fresh=torch.zeros(rows, dtype=torch.bool, device=device),
+            tokens_per_row=1,
+        )
+
+    def drop(self, handle: SequenceHandle | None = None) -> None:
+        if handle is not None:
+            self._pending.pop(handle.index, None)
+
+
+def _row_lengths(batch: StepBatch) -> list[int]:
+    bounds = batch.query_bounds()
+    return [b - a for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,272 @@
+"""MTP speculative decoding (``mtp:K``) through the public Engine, against plain decoding.
+
+- Greedy lossless: the tiny dense and MoE packages (random MTP heads: almost every draft rejected) and
+  the demo model (a trained head: many accepted), K = 1..4, B = 1..8 with rows joining and leaving:
+  tokens equal plain decoding's and log-probs agree within 1e-4; rows that end by a stop token, a stop
+  string or max_tokens inside a draft, and a thinking budget's forced control.
+- Reuse: MTP with the context cache gives the tokens of MTP without it and of plain decoding.
+- Sampled lossless: the distribution of the tokens after the first under MTP equals plain sampling's
+  (two-sample chi-square over seeded runs); a deliberately wrong acceptance rule fails the same test.
+  Seeded runs repeat exactly and do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from cache_helpers import SYSTEM, build_engine, tiny_view
+from integration_helpers import random_prompts
+
+from ninfer import EngineConfig, GenerationRequest, GenerationResult
+from ninfer.cli.common import bundled_artifact
+from ninfer.runtime.engine.engine import Engine
+from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft
+from ninfer.targets.qwen3_6.impl.runtime.program import Qwen36Program
+
+torch.set_num_threads(1)
+
+DEMO_TEXTS = (
+    "def fibonacci(n):\n    ",
+    "import numpy as np\nimport",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "for i in range(10):\n    print(",
+    "# Read a file line by line\nwith open(path) as f:\n",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+    "x = [1, 2, 3]\ny = [",
+    "The quick brown fox",
+)
+
+
+def demo_engine(spec: str | None, max_concurrency: int = 1, **fields: object) -> Engine:
+    settings: dict[str, object] = {"prefix_cache": False, **fields}
+    config = EngineConfig(
+        device="cpu", dtype="float32", speculative=spec, warmup=False, max_concurrency=max_concurrency,
+        max_context=512, queue_capacity=512, **settings,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return Engine(bundled_artifact(), config)
+
+
+def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object) -> Engine:
+    engine = build_engine(
+        name, view=tiny_view(name), max_concurrency=max_concurrency, prefix_cache=False, **fields
+    )  # type: ignore[arg-type]
+    if k is None:
+        return engine
+    old = engine.core.program
+    assert isinstance(old, Qwen36Program)
+    engine.close()
+    program = Qwen36Program(old.variant, old.view, old.config, backend=MtpDraft(draft_tokens=k, layers=1))
+    return Engine.from_parts(program, engine.frontend, engine.config, package_name=name)
+
+
+def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    handles = [engine.submit(r) for r in requests]
+    return [h.result() for h in handles]
+
+
+def assert_same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    for a, b in zip(got, want):
+        if b.logprobs is not None:
+            assert a.logprobs is not None
+            worst = max((abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+            assert worst <= 1e-4, worst
+
+
+def _tiny_requests() -> list[GenerationRequest]:
+    prompts = random_prompts([1, 5, 17, 33, 48, 9, 64, 2], seed=11)
+    return [
+        GenerationRequest(prompt=p, max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=True)
+        for i, p in enumerate(prompts)
+    ]
+
+
+@functools.cache
+def _plain_alone(name: str) -> tuple[GenerationResult, ...]:
+    with tiny_engine(name, None, 1) as engine:
+        return tuple(engine.generate(r) for r in _tiny_requests())
+
+
+@pytest.mark.parametrize("name", ["qwen3_6_tiny", "qwen3_6_tiny_moe"])
+@pytest.mark.parametrize(("k", "mc"), [(1, 8), (2, 3), (3, 1), (4, 5)])
+def test_random_heads_are_lossless(name: str, k: int, mc: int) -> None:
+    """Random MTP weights reject nearly every draft: the output is plain decoding's all the same, with
+    rows of different lengths joining and leaving the rounds."""
+    with tiny_engine(name, k, mc) as engine:
+        got = run_all(engine, _tiny_requests())
+        backend = engine.core.program.backend
+    assert_same(got, list(_plain_alone(name)))
+    assert isinstance(backend, MtpDraft) and backend.drafted > 0
+
+
+@functools.cache
+def _demo_plain(max_tokens: int) -> tuple[GenerationResult, ...]:
+    with demo_engine(None) as engine:
+        return tuple(engine.generate(_demo_request(t, max_tokens)) for t in DEMO_TEXTS)
+
+
+def _demo_request(text: str, max_tokens: int, **fields: object) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=0.0, logprobs=True, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("k", "mc"), [(1, 1), (2, 8), (3, 4), (4, 2)])
+def test_the_demo_head_accepts_and_stays_lossless(k: int, mc: int) -> None:
+    with demo_engine(f"mtp:{k}", mc) as engine:
+        got = run_all(engine, [_demo_request(t, 40) for t in DEMO_TEXTS])
+        backend = engine.core.program.backend
+    assert_same(got, list(_demo_plain(40)))
+    assert isinstance(backend, MtpDraft)
+    assert backend.accepted > 0.25 * backend.drafted / k  # the trained head's drafts are often right
+    for r in got:  # usage: each round kept its accepted drafts and the target's token (the last may be cut)
+        rounds, kept = r.usage.drafted_tokens // k, r.usage.accepted_draft_tokens
+        assert r.usage.drafted_tokens == k * rounds and 0 <= kept <= r.usage.drafted_tokens
+        assert rounds - 1 <= r.usage.completion_tokens - 1 - kept <= rounds
+    assert sum(r.usage.accepted_draft_tokens for r in got) > 0
+    assert all(r.usage.drafted_tokens == 0 for r in _demo_plain(40))
+
+
+def test_rows_ending_inside_a_draft() -> None:
+    """A stop token, a stop string and max_tokens that fall inside an accepted draft end the row where
+    plain decoding ends it; so does the budget's forced control of a thinking chat."""
+    plain = _demo_plain(40)
+    requests = []
+    for i, (text, ref) in enumerate(zip(DEMO_TEXTS, plain)):
+        cut = 5 + i % 7
+        if i % 3 == 0:
+            requests.append(_demo_request(text, 40, stop_token_ids=[ref.token_ids[cut]]))
+        elif i % 3 == 1:
+            requests.append(
+                _demo_request(text, 40, stop=[ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]])
+            )
+        else:
+            requests.append(_demo_request(text, cut))
+    chat = GenerationRequest(
+        messages=[{"role": "user", "content": "Write a loop in Python."}], max_tokens=30, temperature=0.0,
+        thinking_budget=4, chat_template_kwargs={"enable_thinking": True},
+    )  # fmt: skip
+    requests.append(chat)
+    with demo_engine(None) as engine:
+        want = [engine.generate(r) for r in requests]
+    for k in (2, 4):
+        with demo_engine(f"mtp:{k}", 4) as engine:
+            got = run_all(engine, requests)
+        assert_same(got, want)
+    assert {r.finish_reason for r in want} >= {"stop", "length"}
+
+
+def test_mtp_with_the_context_cache_gives_the_plain_tokens() -> None:
+    """A conversation whose turns continue checkpoints (their MTP KV included) decodes with MTP to the
+    tokens of MTP without the cache and of plain decoding."""
+
+    def conversation(spec: str | None, cache: bool) -> list[tuple[int, ...]]:
+        with demo_engine(spec, 1, prefix_cache=cache, capture_interval=64) as engine:
+            messages = [{"role": "system", "content": SYSTEM}]
+            out = []
+            for turn in range(4):
+                messages.append({"role": "user", "content": f"Write function number {turn} in Python."})
+                request = GenerationRequest(
+                    messages=list(messages), max_tokens=24, temperature=0.0, session_id="s",
+                    chat_template_kwargs={"enable_thinking": False},
+                )  # fmt: skip
+                result = engine.generate(request)
+                assert (result.usage.reused_prefix_tokens > 0) == (cache and turn > 0)
+                out.append(result.token_ids)
+                messages.append({"role": "assistant", "content": result.text})
+            return out
+
+    plain = conversation(None, False)
+    assert conversation("mtp:3", True) == conversation("mtp:3", False) == plain
+
+
+# ---- sampled ----
+
+
+SAMPLED_RUNS = 160
+PROMPT = "def main():\n    "
+
+
+def _sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
+    requests = [
+        GenerationRequest(prompt=PROMPT, max_tokens=4, temperature=0.8, top_k=20, seed=s, ignore_eos=True)
+        for s in seeds
+    ]
+    return [r.token_ids for r in run_all(engine, requests)]
+
+
+def _homogeneity_p(a: list, b: list) -> float:
+    """p-value of a chi-square test that two samples come from one distribution (rare cells pooled)."""
+    ca, cb = Counter(a), Counter(b)
+    cells = sorted(set(ca) | set(cb), key=lambda x: -(ca[x] + cb[x]))
+    big = [c for c in cells if ca[c] + cb[c] >= 10]
+    rows = [(ca[c], cb[c]) for c in big]
+    rest = (sum(ca[c] for c in cells if c not in big), sum(cb[c] for c in cells if c not in big))
+    if sum(rest):
+        rows.append(rest)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in rows:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(rows) - 1
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )
+
+
+class _AcceptEverything(MtpDraft):
+    """The negative control: keeps every draft, whatever the target says."""
+
+    def accept(self, seq: object, accepted: int) -> int:  # type: ignore[override]
+        return self.draft_tokens
+
+
+def _demo_with(backend: MtpDraft, max_concurrency: int) -> Engine:
+    engine = demo_engine(f"mtp:{backend.draft_tokens}", max_concurrency)  # the MTP weights loaded
+    old = engine.core.program
+    assert isinstance(old, Qwen36Program)
+    engine.close()
+    program = Qwen36Program(old.variant, old.view, old.config, backend=backend)
+    return Engine.from_parts(program, engine.frontend, engine.config)
+
+
+@functools.cache
+def _plain_sampled() -> tuple[tuple[int, ...], ...]:
+    with demo_engine(None, 8) as engine:
+        return tuple(_sampled_tokens(engine, range(SAMPLED_RUNS)))
+
+
+def test_sampled_mtp_is_distributed_as_plain_sampling() -> None:
+    plain = _plain_sampled()
+    with demo_engine("mtp:2", 8) as engine:
+        mtp = _sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
+        accepted = engine.core.program.backend.accepted  # type: ignore[attr-defined]
+    assert accepted > 0
+    for position in (1, 2, 3):  # the first token comes from the prefill, the same path for both
+        p = _homogeneity_p([t[position] for t in plain], [t[position] for t in mtp])
+        assert p > 1e-3, (position, p)
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test() -> None:
+    plain = _plain_sampled()
+    with _demo_with(_AcceptEverything(draft_tokens=2, layers=1), 8) as engine:
+        wrong = _sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
+    worst = min(_homogeneity_p([t[j] for t in plain], [t[j] for t in wrong]) for j in (1, 2, 3))
+    assert worst < 1e-6, worst
+
+
+def test_seeded_sampling_repeats_and_ignores_the_batch() -> None:
+    seeds = range(7, 15)
+    with demo_engine("mtp:3", 1) as engine:
+        alone = [_sampled_tokens(engine, range(s, s + 1))[0] for s in seeds]
+    with demo_engine("mtp:3", 8) as engine:
+        together = _sampled_tokens(engine, seeds)
+        again = _sampled_tokens(engine, seeds)
+    assert alone == together == again
