@@ -83,7 +83,7 @@ class MtpDraft(VerifyRound):
                 raise ProgramInvariantError(f"{seq.handle} has no MTP drafts for frontier {seq.frontier}")
             # the row committed a prefix of its round: draft again from its last committed position
             last = seq.frontier - 1
-            at = torch.tensor([last], dtype=torch.long, device=pending.outputs.device)
+            at = _on_device([last], pending.outputs.device)
             self._chain(
                 [seq], pending.outputs[last - pending.base : last - pending.base + 1], at, [seq.frontier]
             )
@@ -101,7 +101,7 @@ class MtpDraft(VerifyRound):
         if drafts:  # the rows commit their whole span: the drafts follow its end
             ends = [seq.frontier + n for seq, n in zip(seqs, _row_lengths(batch))]
             last = batch.query_start[1:].long() - 1
-            positions = torch.tensor(ends, dtype=torch.long, device=out.device) - 1
+            positions = _on_device([e - 1 for e in ends], out.device)
             self._chain(seqs, out.index_select(0, last), positions, ends)
 
     def after_verify(self, seqs: Sequence[SequenceState], run: StepRun, queued: QueuedVerify) -> None:
@@ -114,7 +114,7 @@ class MtpDraft(VerifyRound):
         # acceptance is read back (`after_read`)
         accepted = queued.drawn_accepted.long()
         last = torch.arange(len(seqs), device=out.device) * t + accepted
-        frontiers = torch.tensor([s.frontier for s in seqs], dtype=torch.long, device=out.device)
+        frontiers = _on_device([s.frontier for s in seqs], out.device)
         self._chain(seqs, out.index_select(0, last), frontiers + accepted, None)
         outputs = out.view(len(seqs), t, -1)
         for i, seq in enumerate(seqs):
@@ -169,8 +169,8 @@ class MtpDraft(VerifyRound):
         steps = executor.steps
         device = positions.device
         rows = len(seqs)
-        index = torch.tensor([s.handle.index for s in seqs], dtype=torch.long, device=device)
-        delta = torch.tensor([s.rope_delta for s in seqs], dtype=torch.long, device=device)
+        index = _on_device([s.handle.index for s in seqs], device)
+        delta = _on_device([s.rope_delta for s in seqs], device)
         table = steps.block_tables.index_select(0, index)
         ps = steps.page_size
         page = table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1).long()
@@ -196,3 +196,12 @@ class MtpDraft(VerifyRound):
 def _row_lengths(batch: StepBatch) -> list[int]:
     bounds = batch.query_bounds()
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a device tensor, through pinned memory on CUDA: a copy from pageable memory would
+    wait for the device queue to drain, and the drafts are queued behind the verify."""
+    ids = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
