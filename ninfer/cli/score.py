@@ -82,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(e)
     try:
-        raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
-        text = raw.decode("utf-8")  # strict: undecodable bytes are refused, not scored as U+FFFD
+        if args.file != "-":
+            text = Path(args.file).read_bytes().decode("utf-8")  # strict: undecodable bytes are refused
+        elif hasattr(sys.stdin, "buffer"):
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:  # a text stream with no bytes underneath (an embedding host's or a test's stdin)
+            text = sys.stdin.read()
     except (OSError, UnicodeDecodeError) as e:
         return fail(f"cannot read {args.file}: {e}")
     if not text:
