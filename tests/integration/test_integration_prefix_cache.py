@@ -70,6 +70,7 @@ def test_multi_turn_chat_reuses_every_turn_and_gives_the_cold_tokens(name: str, 
     assert all(t.result.usage.reused_prefix_tokens == 0 for t in cold)
     reproduced = _check_reuse(warm, None, kwargs)
     assert stats.hits == 5 and stats.hit_tokens == sum(t.result.usage.reused_prefix_tokens for t in warm)
+    assert stats.queries == 6  # one per admission, the first (empty catalog) included
     assert stats.retains >= reproduced
     if case == "plain-preserved" and name == "qwen3_6_tiny":  # this one's replies round-trip
         assert reproduced > 0
@@ -210,6 +211,8 @@ def test_reset_and_opt_out() -> None:
         assert engine.reset_cache() == held and engine.cache_stats().checkpoints == 0
         fourth = engine.generate(request())
         assert fourth.usage.reused_prefix_tokens == 0
+        stats = engine.cache_stats()
+    assert (stats.queries, stats.hits) == (3, 1)  # second, third, fourth: the opted-out ones never ask
     assert first.token_ids == second.token_ids == third.token_ids == opted_out.token_ids == fourth.token_ids
 
 

@@ -50,7 +50,7 @@ class CacheStats:
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     sessions: int = 0
-    queries: int = 0  # admissions that looked for a source
+    queries: int = 0  # admissions that looked for a source (the cache on for the request)
     hits: int = 0  # admissions that continued a checkpoint
     hit_tokens: int = 0  # prompt tokens those admissions did not prefill
     captures: int = 0  # checkpoints captured inside prompts
@@ -84,7 +84,6 @@ class ContextCache:
         longest shared prefixes."""
         if not self.uses_cache(record) or not self.entries:
             return ()
-        self._counts["queries"] += 1
         plan = record.plan
         prompt = plan.prompt_token_ids
         found: list[CheckpointEntry] = []
@@ -172,16 +171,19 @@ class ContextCache:
         if current is None or current[1] <= record.publication_order:
             self.sessions[session] = (checkpoint_id, record.publication_order)
 
-    def continued(self, checkpoint_id: int | None, tokens: int) -> None:
-        """A materialization continued ``checkpoint_id`` (a hit of ``tokens`` prompt tokens)."""
-        if checkpoint_id is None or checkpoint_id not in self.entries:
+    def admitted(self, record: RequestRecord, checkpoint_id: int | None, tokens: int) -> None:
+        """An admission of ``record`` looked for a source (counted once, however often its plan was
+        made while it waited) and continued ``checkpoint_id`` for ``tokens`` prompt tokens, or none."""
+        if not self.uses_cache(record):
             return
-        self._clock += 1
-        cached = self.entries[checkpoint_id]
-        cached.last_used = self._clock
-        cached.hits += 1
-        self._counts["hits"] += 1
-        self._counts["hit_tokens"] += tokens
+        self._counts["queries"] += 1
+        if tokens and checkpoint_id is not None and checkpoint_id in self.entries:
+            self._clock += 1
+            cached = self.entries[checkpoint_id]
+            cached.last_used = self._clock
+            cached.hits += 1
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += tokens
         self._publish_stats()
 
     def _remove(self, checkpoint_id: int) -> None:

@@ -141,8 +141,7 @@ class ResourceManager:
         self._move(self.lane_of(record), LaneState.MATERIALIZING, LaneState.ACTIVE)
         record.handle = result.handle
         record.reused_prefix_tokens = result.reused_prefix_tokens
-        if result.reused_prefix_tokens:
-            self.cache.continued(txn.plan.source_checkpoint, result.reused_prefix_tokens)
+        self.cache.admitted(record, txn.plan.source_checkpoint, result.reused_prefix_tokens)
         record.capture_points = self.cache.capture_points(record, result.reused_prefix_tokens)
         return result
 
