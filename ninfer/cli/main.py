@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from argparse import SUPPRESS
 from typing import NoReturn
@@ -38,9 +39,27 @@ class CLIParser(argparse.ArgumentParser):
 DEBUG_HELP = "print the full traceback of an error instead of one line"
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's pyproject when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ninfer")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        if not pyproject.is_file():
+            return "unknown"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = CLIParser(prog="ninfer", description="Qwen3.6-family inference engine")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"ninfer {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CLIParser)
     for name, module in COMMANDS.items():
         if only is not None and name != only:
@@ -66,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (``ninfer inspect --json | head``): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot raise again
+        return 141
     except Exception as exc:  # noqa: BLE001 - an unforeseen error is still one line unless --debug
         if args.debug:
             raise
