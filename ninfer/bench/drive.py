@@ -132,6 +132,7 @@ class PromptSource:
         if id_bound < 2:
             raise ValueError(f"id_bound must be >= 2, got {id_bound}")
         self._bound = id_bound
+        self.seed = seed
         self._rng = random.Random(seed)
 
     def take(self, length: int) -> list[int]:

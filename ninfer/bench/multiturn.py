@@ -573,6 +573,54 @@ def _conversation(
     return rows, last
 
 
+def _with_cache(
+    started: Any, plan: MultiTurnPlan, config: EngineConfig, prompts: PromptSource, bandwidth: float,
+    log: Callable[[str], None],
+) -> tuple[list[TurnRow], CacheRow, DecodeRow, CaptureRow]:  # fmt: skip
+    """Everything measured on the cache-on Engine; returns holding no reference to it (its Program must
+    go before the cache-off one is built)."""
+    engine, program, variant = started.engine, started.program, started.package.variant
+    clock = TransitionClock(program, started.device)
+    try:
+        frontend: Any = engine.frontend
+        words = WordSource(frontend.encode, frontend.decode, first_special_id(variant.special), prompts.seed)
+        driver = TimedDriver(engine, plan.decode_plan, prompts)
+        log(f"warm-up: a {plan.turn_tokens}-token cold prompt and a short chat, both outside the cache")
+        driver.timed(
+            GenerationRequest(
+                prompt=prompts.take(plan.turn_tokens), max_tokens=2, temperature=0.0, ignore_eos=True,
+                prefix_cache=False,
+            )
+        )  # fmt: skip
+        driver.timed(
+            GenerationRequest(
+                messages=[{"role": "user", "content": words.text(16)}],
+                chat_template_kwargs=dict(TEMPLATE_KWARGS), max_tokens=2, temperature=0.0, ignore_eos=True,
+                prefix_cache=False,
+            )
+        )  # fmt: skip
+        turns, last_tokens = _conversation(driver, plan, words, prompts, log)
+        stats = engine.cache_stats()
+        slots, budget, source = _cache_budget(program, config)
+        cache = CacheRow(
+            checkpoints=stats.checkpoints, checkpoint_bytes=stats.checkpoint_bytes, hits=stats.hits,
+            hit_tokens=stats.hit_tokens, captures=stats.captures, retains=stats.retains,
+            evictions=stats.evictions, checkpoint_slots=slots, budget_bytes=budget, budget_source=source,
+            conversation_bytes=_conversation_bytes(program, last_tokens),
+        )  # fmt: skip
+        log(f"decode B=1 at context {plan.context}, cache on: {plan.decode_steps} timed rounds")
+        decode_on = _decode_row(engine, plan.decode_plan, prompts, variant, started.dtype, bandwidth)
+        capture = CaptureRow(
+            captures=len(clock.device_ms("capture")), device_ms=tuple(clock.device_ms("capture")),
+            host_ms=tuple(clock.host_ms("capture")), retains=stats.retains,
+            retain_host_ms=tuple(clock.host_ms("retain")),
+            timing="cuda events" if started.device.type == "cuda" else "host (cpu)",
+        )  # fmt: skip
+    finally:
+        clock.remove()
+    return turns, cache, decode_on, capture
+
+
 def run_multi_turn(
     options: BenchOptions, plan: MultiTurnPlan, log: Callable[[str], None] = lambda _: None
 ) -> MultiTurnReport:
@@ -589,44 +637,11 @@ def run_multi_turn(
     header = run_header(started, probe)
     bandwidth = probe.bandwidth_bytes_per_s
     prompts = PromptSource(first_special_id(variant.special), options.seed)
-    clock = TransitionClock(started.program, started.device)
     try:
-        engine = started.engine
-        frontend = engine.frontend
-        words = WordSource(frontend.encode, frontend.decode, first_special_id(variant.special), options.seed)  # type: ignore[attr-defined]
-        driver = TimedDriver(engine, plan.decode_plan, prompts)
-        log(f"warm-up: a {plan.turn_tokens}-token cold prompt and a short chat, both outside the cache")
-        driver.timed(GenerationRequest(prompt=prompts.take(plan.turn_tokens), max_tokens=2, temperature=0.0,
-                                       ignore_eos=True, prefix_cache=False))  # fmt: skip
-        driver.timed(
-            GenerationRequest(
-                messages=[{"role": "user", "content": words.text(16)}],
-                chat_template_kwargs=dict(TEMPLATE_KWARGS),
-                max_tokens=2,
-                temperature=0.0,
-                ignore_eos=True,
-                prefix_cache=False,
-            )  # fmt: skip
-        )
-        turns, last_tokens = _conversation(driver, plan, words, prompts, log)
-        stats = engine.cache_stats()
-        slots, budget, source = _cache_budget(started.program, config)
-        cache = CacheRow(
-            checkpoints=stats.checkpoints, checkpoint_bytes=stats.checkpoint_bytes, hits=stats.hits,
-            hit_tokens=stats.hit_tokens, captures=stats.captures, retains=stats.retains,
-            evictions=stats.evictions, checkpoint_slots=slots, budget_bytes=budget, budget_source=source,
-            conversation_bytes=_conversation_bytes(started.program, last_tokens),
-        )  # fmt: skip
-        log(f"decode B=1 at context {plan.context}, cache on: {plan.decode_steps} timed rounds")
-        decode_on = _decode_row(engine, plan.decode_plan, prompts, variant, started.dtype, bandwidth)
-        capture = CaptureRow(
-            captures=len(clock.device_ms("capture")), device_ms=tuple(clock.device_ms("capture")),
-            host_ms=tuple(clock.host_ms("capture")), retains=stats.retains,
-            retain_host_ms=tuple(clock.host_ms("retain")),
-            timing="cuda events" if started.device.type == "cuda" else "host (cpu)",
-        )  # fmt: skip
-    finally:
-        clock.remove()
+        turns, cache, decode_on, capture = _with_cache(started, plan, config, prompts, bandwidth, log)
+    except BaseException:
+        started.engine.close()
+        raise
     log("a second Engine over the same weights with the context cache off")
     off = restart(started, replace(config, prefix_cache=False, cache_memory_gb=None))
     try:
