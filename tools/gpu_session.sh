@@ -12,7 +12,9 @@
 # (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
 # pdlprofile, pdloff8, chunk8k,
-# start27: a synthetic full-size 27B artifact loaded by bench).
+# start27: a synthetic full-size 27B artifact loaded by bench), multiturn27/35 (a 10-turn agent conversation
+# through the context cache, 2,048 new tokens a turn; MT_TIMEOUT, MT_ARGS), image27/35 (the vision tower and
+# one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS).
 # Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
@@ -81,6 +83,10 @@ for step in "$@"; do
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
     pdlprofile) for p in 0 1; do NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 256; NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1 --prefill 256; done ;;
     chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27.json" ;;
+    multiturn27) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn27.json" ;;
+    multiturn35) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn35.json" ;;
+    image27) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image27.json" ;;
+    image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35.json" ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ninfer.runtime.engine.engine import Engine, GenerationHandle
-from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult
+from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, GenerationStart
 
 DECODE = "decode"
 PREFILL = "prefill"
@@ -132,6 +132,7 @@ class PromptSource:
         if id_bound < 2:
             raise ValueError(f"id_bound must be >= 2, got {id_bound}")
         self._bound = id_bound
+        self.seed = seed
         self._rng = random.Random(seed)
 
     def take(self, length: int) -> list[int]:
@@ -204,6 +205,51 @@ class EngineDriver:
                 handle.close()
         steps = full_round_intervals(self.timeline.marks[first:], batch, self.plan.decode_steps)
         return DecodeSample(batch, tuple(steps))
+
+
+@dataclass(frozen=True)
+class RequestSample:
+    prompt_tokens: int
+    reused_tokens: int
+    submit_s: float  # the submit call: the Frontend's rendering and tokenizing, on the caller
+    ttft_s: float  # before submit -> the first token delta
+    prefill_s: float  # worker: first prefill unit -> the unit after the last one
+    result: GenerationResult
+
+
+class TimedDriver(EngineDriver):
+    """`EngineDriver` plus one timed request of any shape."""
+
+    def timed(self, request: GenerationRequest) -> RequestSample:
+        first = len(self.timeline.marks)
+        start: GenerationStart | None = None
+        first_token: float | None = None
+        t0 = time.perf_counter()
+        with self.engine.submit(request) as handle:
+            submitted = time.perf_counter()
+            for event in handle:
+                if isinstance(event, GenerationStart):
+                    start = event
+                elif isinstance(event, GenerationDelta) and event.token_ids and first_token is None:
+                    first_token = time.perf_counter()
+            result = handle.result()
+        expected = request.max_tokens
+        if result.finish_reason != "length" or result.usage.completion_tokens != expected:
+            raise BenchError(
+                f"request {result.request_id} ended with {result.finish_reason!r} after "
+                f"{result.usage.completion_tokens} tokens, {expected} expected"
+                + (f": {result.error}" if result.error is not None else "")
+            )
+        if start is None or first_token is None:
+            raise BenchError(f"request {result.request_id} published no start or no token")
+        return RequestSample(
+            prompt_tokens=start.prompt_tokens,
+            reused_tokens=start.reused_prefix_tokens,
+            submit_s=submitted - t0,
+            ttft_s=first_token - t0,
+            prefill_s=prefill_span(self.timeline.marks[first:]),
+            result=result,
+        )
 
 
 @dataclass(frozen=True)

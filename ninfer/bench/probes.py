@@ -36,6 +36,12 @@ class DeviceProbe:
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` calls after ``warmup`` untimed ones (CUDA: events)."""
+    return statistics.median(timed_seconds(fn, device, repeats, warmup))
+
+
+def timed_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (CUDA: events, each
+    call synchronised)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
@@ -55,7 +61,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def measure_copy_bandwidth(

@@ -150,6 +150,67 @@ class BenchReport:
         return out
 
 
+@dataclass(frozen=True)
+class RunHeader:
+    """What every bench mode reports first: the package, the device and its probes, the start-up."""
+
+    package: str
+    synthetic: bool
+    artifact: str | None
+    device: str
+    dtype: str
+    torch_version: str
+    commit: str | None
+    date: str  # ISO 8601, UTC
+    bandwidth_GBps: float
+    copy_bytes: int
+    matmul_TFLOPs: float
+    matmul_n: int
+    matmul_dtype: str
+    startup_s: dict[str, float]  # phase -> seconds; "total" last
+    load: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The same leading fields, names and rounding as `BenchReport.to_json`."""
+        out: dict[str, Any] = {"package": self.package, "synthetic": self.synthetic}
+        if self.synthetic:
+            out["note"] = SYNTHETIC_NOTE
+        out.update(
+            artifact=self.artifact,
+            device=self.device,
+            dtype=self.dtype,
+            torch=self.torch_version,
+            commit=self.commit,
+            date=self.date,
+            bandwidth_GBps=round(self.bandwidth_GBps, 3),
+            copy_bytes=self.copy_bytes,
+            matmul_TFLOPs=round(self.matmul_TFLOPs, 4),
+            matmul_n=self.matmul_n,
+            matmul_dtype=self.matmul_dtype,
+            startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
+            load=self.load,
+        )
+        return out
+
+    def lines(self, mode: str) -> list[str]:
+        """The table's opening lines, ``mode`` naming the run (``--multi-turn``, ``--image``)."""
+        out = [
+            f"ninfer bench {mode}: {self.package} on {self.device}, {self.dtype}, "
+            f"torch {self.torch_version}, commit {self.commit or 'unknown'}, {self.date}",
+            f"*** {SYNTHETIC_NOTE} ***" if self.synthetic else f"artifact: {self.artifact}",
+        ]
+        phases = ", ".join(
+            f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.startup_s.items() if k != "total"
+        )
+        out += [
+            f"measured: copy bandwidth {self.bandwidth_GBps:.1f} GB/s; "
+            f"matmul {self.matmul_TFLOPs:.3g} TFLOP/s ({self.matmul_dtype} {self.matmul_n}^3)",
+            f"start-up: {self.startup_s['total']:.2f} s ({phases})"
+            + (f"; weights: {self.load}" if self.load else ""),
+        ]
+        return out
+
+
 def _ms(x: float) -> str:
     return f"{x:.3g}" if x < 10 else f"{x:.1f}"
 

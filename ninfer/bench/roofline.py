@@ -1,4 +1,4 @@
-"""The roofline of one package: bytes a decode step must read, FLOPs a prefill must do.
+"""The roofline of one package: bytes a decode step must read, FLOPs a prefill (and the vision tower) must do.
 
 Decode is memory bound: its floor is the bytes one step has to bring from memory over the bandwidth the
 same run measured. Prefill is compute bound: its floor is its FLOPs over the matmul throughput the same
@@ -20,11 +20,12 @@ state stay fp32, every other weight, the conv state and the KV pages are in the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.variant import Variant, VisionDims
 from ninfer.targets.qwen3_6.weights import weight_schema
 
 EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -162,4 +163,55 @@ def prefill_flops(variant: Variant, tokens: int) -> PrefillFlops:
         linear=2 * active_matrix_params(variant) * tokens + 2 * head,
         attention=len(variant.attention_layers) * attention_per_layer,
         recurrence=len(variant.gdn_layers) * GDN_FLOPS_PER_STATE_ELEMENT * state * tokens,
+    )
+
+
+# ---- the vision tower -------------------------------------------------------------------------------
+
+VISION_ASSUMPTION = (
+    "vision tower FLOPs = patch embed (2 x patches x in_channels*temporal*patch^2 x hidden) + per block: QKV "
+    "(2 x patches x hidden x 3 hidden), output projection (2 x patches x hidden^2), bidirectional attention "
+    "within each frame (QK^T and PV: 4 x hidden x frame_patches^2 per frame), MLP (2 x 2 x patches x "
+    "hidden x intermediate) + merger (fc1 2 x blocks x (hidden m^2)^2, fc2 2 x blocks x hidden m^2 x "
+    "out_hidden, blocks = patches / m^2); norms, GELU, rotary and the position-table resampling not counted"
+)
+
+
+@dataclass(frozen=True)
+class VisionFlops:
+    """FLOPs of the vision tower over some images (see `VISION_ASSUMPTION`)."""
+
+    patches: int  # sum of t*h*w over the images
+    patch_embed: int
+    qkv: int  # every block
+    proj: int
+    attention: int  # QK^T and PV inside each frame, every block
+    mlp: int
+    merger: int
+
+    @property
+    def total(self) -> int:
+        return self.patch_embed + self.qkv + self.proj + self.attention + self.mlp + self.merger
+
+
+def vision_flops(dims: VisionDims, grids: Sequence[tuple[int, int, int]]) -> VisionFlops:
+    """FLOPs of `ninfer.targets.qwen3_6.vision.vision_embeddings` for images of these ``grid_thw``
+    (frames x patch rows x patch columns each)."""
+    c, inter, m2 = dims.hidden_size, dims.intermediate_size, dims.spatial_merge_size**2
+    patch_width = dims.in_channels * dims.temporal_patch_size * dims.patch_size**2
+    patches = attention = 0
+    for t, h, w in grids:
+        if min(t, h, w) < 1 or (h * w) % m2:
+            raise ValueError(f"grid {(t, h, w)} is not t, h, w >= 1 with h*w a multiple of {m2}")
+        patches += t * h * w
+        attention += t * 4 * c * (h * w) ** 2
+    blocks = patches // m2
+    return VisionFlops(
+        patches=patches,
+        patch_embed=2 * patches * patch_width * c,
+        qkv=dims.depth * 2 * patches * c * 3 * c,
+        proj=dims.depth * 2 * patches * c * c,
+        attention=dims.depth * attention,
+        mlp=dims.depth * 2 * 2 * patches * c * inter,
+        merger=2 * blocks * (c * m2) ** 2 + 2 * blocks * c * m2 * dims.out_hidden_size,
     )

@@ -12,7 +12,7 @@ import torch
 
 from ninfer.bench.drive import BenchPlan, EngineDriver, Measurements, PromptSource, measure
 from ninfer.bench.probes import DeviceProbe, probe_device
-from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, git_commit
+from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, RunHeader, git_commit
 from ninfer.bench.roofline import DECODE_ASSUMPTIONS, MOE_ASSUMPTION, decode_step_bytes, prefill_flops
 from ninfer.bench.startup import SYNTHETIC_STORAGE, StartedEngine, start_from_artifact, start_synthetic
 from ninfer.targets.open import (
@@ -22,6 +22,7 @@ from ninfer.targets.open import (
     resolve_kernels,
     resolve_lookahead,
 )
+from ninfer.targets.package import Package
 from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
 from ninfer.targets.registry import get_package
 from ninfer.types import EngineConfig, parse_speculative
@@ -49,6 +50,8 @@ class BenchOptions:
     copy_bytes: int | None = None  # probe sizes (None: the device's default)
     matmul_n: int | None = None
     probe_repeats: int = 10
+    prefix_cache: bool = False  # EngineConfig.prefix_cache (the standard suite: off, cold prompts)
+    cache_memory_gb: float | None = None  # EngineConfig.cache_memory_gb
 
     def __post_init__(self) -> None:
         if (self.artifact is None) == (self.synthetic is None):
@@ -80,9 +83,10 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         kernels=options.kernels,  # type: ignore[arg-type]
         speculative=options.speculative,
         warmup=True,
-        # the decode and prefill figures are of cold prompts: the bench repeats its prompts, which the
-        # context cache would otherwise serve
-        prefix_cache=False,
+        # the decode and prefill figures are of cold prompts either way (every prompt is distinct random
+        # ids); the cache on adds its lookups and the captures inside long prompts (capture_interval)
+        prefix_cache=options.prefix_cache,
+        cache_memory_gb=options.cache_memory_gb if options.prefix_cache else None,
     )
 
 
@@ -103,27 +107,59 @@ def describe_device(device: torch.device) -> str:
     return f"cpu ({platform.machine() or 'unknown'}, {torch.get_num_threads()} threads)"
 
 
-def run_bench(options: BenchOptions, log: Callable[[str], None] = lambda _: None) -> BenchReport:
-    plan = options.plan
+def options_package(options: BenchOptions) -> tuple[Package, torch.dtype]:
+    """The package under test and its storage dtype (synthetic weights: `SYNTHETIC_STORAGE`)."""
     if options.synthetic is not None:
-        package, storage = get_package(options.synthetic), SYNTHETIC_STORAGE
-    else:
-        assert options.artifact is not None
-        package, storage = artifact_package(options.artifact)
-    check_fits(plan, package.variant)
+        return get_package(options.synthetic), SYNTHETIC_STORAGE
+    assert options.artifact is not None
+    return artifact_package(options.artifact)
+
+
+def probe_and_start(
+    options: BenchOptions, config: EngineConfig, log: Callable[[str], None]
+) -> tuple[DeviceProbe, StartedEngine]:
+    """The device probes (before the model takes the memory), then the Engine under test."""
+    package, storage = options_package(options)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, storage, device)
     log(f"probing {device.type} memory bandwidth and {str(dtype).removeprefix('torch.')} matmul throughput")
     probe = probe_device(
         device, dtype, copy_bytes=options.copy_bytes, matmul_n=options.matmul_n, repeats=options.probe_repeats
     )
-    config = engine_config(options)
     log("starting the Engine" + (f" with synthetic {package.name} weights" if options.synthetic else ""))
     started = (
         start_synthetic(package.name, config, seed=options.seed)
         if options.synthetic is not None
         else start_from_artifact(options.artifact or "", config)
     )
+    return probe, started
+
+
+def run_header(started: StartedEngine, probe: DeviceProbe) -> RunHeader:
+    return RunHeader(
+        package=started.package.name,
+        synthetic=started.synthetic,
+        artifact=started.artifact,
+        device=describe_device(started.device),
+        dtype=str(started.dtype).removeprefix("torch."),
+        torch_version=torch.__version__,
+        commit=git_commit(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        bandwidth_GBps=probe.bandwidth_bytes_per_s / 1e9,
+        copy_bytes=probe.copy_bytes,
+        matmul_TFLOPs=probe.matmul_flops_per_s / 1e12,
+        matmul_n=probe.matmul_n,
+        matmul_dtype=str(probe.matmul_dtype).removeprefix("torch."),
+        startup_s=dict(started.phases_s, total=started.startup_s),
+        load=started.load,
+    )
+
+
+def run_bench(options: BenchOptions, log: Callable[[str], None] = lambda _: None) -> BenchReport:
+    plan = options.plan
+    package, _ = options_package(options)
+    check_fits(plan, package.variant)
+    probe, started = probe_and_start(options, engine_config(options), log)
     try:
         prompts = PromptSource(first_special_id(package.variant.special), options.seed)
         measurements = measure(EngineDriver(started.engine, plan, prompts), log)
@@ -211,6 +247,7 @@ def build_report(
             "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
             "kernels": resolve_kernels(started.device, options.kernels),
             "speculative": options.speculative,
+            "prefix_cache": options.prefix_cache,
             "seed": options.seed,
         },
         assumptions=assumptions,

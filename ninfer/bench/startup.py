@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +48,7 @@ class StartedEngine:
     artifact: str | None
     phases_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in order
     load: str | None = None  # the weight loader's report (bytes, seconds, GB/s), artifacts only
+    program: Any = None  # the Program under the Engine (its model view serves a second Engine)
 
     @property
     def startup_s(self) -> float:
@@ -69,7 +72,7 @@ def start_from_artifact(path: str, config: EngineConfig) -> StartedEngine:
     t2 = time.perf_counter()
     phases = {"load_and_program": t1 - t0, "worker_and_warmup": t2 - t1}
     load = str(opened.load_report) if opened.load_report is not None else None
-    return StartedEngine(engine, package, device, dtype, False, path, phases, load)
+    return StartedEngine(engine, package, device, dtype, False, path, phases, load, opened.program)
 
 
 def synthetic_frontend(package: Package) -> Frontend:
@@ -86,6 +89,13 @@ def synthetic_frontend(package: Package) -> Frontend:
         generation_config={},
     )
     return Frontend.from_resources(resources, package.variant.special, package.variant.vision)
+
+
+def sizing_frontend(artifact: str | None, package: Package) -> Frontend:
+    """The Frontend the Engine under test will have, before it starts (to size its requests)."""
+    if artifact is not None:
+        return load_frontend(artifact)  # type: ignore[return-value]
+    return synthetic_frontend(package)
 
 
 def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> StartedEngine:
@@ -108,4 +118,29 @@ def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> St
     engine = Engine.from_parts(program, frontend, config, package_name=package.name)
     t4 = time.perf_counter()
     phases = {"materialize": t1 - t0, "frontend": t2 - t1, "program": t3 - t2, "worker_and_warmup": t4 - t3}
-    return StartedEngine(engine, package, device, dtype, True, None, phases)
+    return StartedEngine(engine, package, device, dtype, True, None, phases, program=program)
+
+
+def restart(started: StartedEngine, config: EngineConfig) -> StartedEngine:
+    """Close ``started``'s Engine, let its Program go (on CUDA its memory back to the driver) and start
+    another Engine with ``config`` over the same weights (the Program's model view) and Frontend: a
+    second configuration without loading or materialising the weights again. ``started`` is spent."""
+    view = started.program.view
+    frontend = started.engine.frontend
+    started.engine.close()
+    started.engine = started.program = None  # type: ignore[assignment]
+    gc.collect()
+    if started.device.type == "cuda":
+        torch.cuda.empty_cache()
+    max_context = config.max_context or started.package.variant.max_position_embeddings
+    t0 = time.perf_counter()
+    program = build_program(started.package, view, config, max_context, started.device, started.dtype)
+    _sync(started.device)
+    t1 = time.perf_counter()
+    engine = Engine.from_parts(program, frontend, config, package_name=started.package.name)
+    t2 = time.perf_counter()
+    phases = {"program": t1 - t0, "worker_and_warmup": t2 - t1}
+    return StartedEngine(
+        engine, started.package, started.device, started.dtype, started.synthetic, started.artifact, phases,
+        program=program,
+    )  # fmt: skip

@@ -3,8 +3,10 @@
 Prints decode ms/step and tok/s per batch size B at a given context, prefill tok/s, TTFT and TPOT, each
 beside the roofline of the package measured in the same run (bytes a decode step must read over the
 measured memory bandwidth; prefill FLOPs over the measured matmul throughput), and the start-up time.
-Without an artifact and without ``--synthetic`` the bundled demo model runs. docs/benchmarks.md has the
-method and the recorded runs.
+Without an artifact and without ``--synthetic`` the bundled demo model runs. ``--multi-turn TURNS`` runs a
+synthetic agent conversation through the context cache instead (per turn: TTFT and reused tokens beside
+the TTFT of a cold prompt of only the new tokens), ``--image WxH[,WxH...]`` the vision tower and
+one-image prompts beside the tower's FLOP floor. docs/benchmarks.md has the method and the recorded runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_PREFILL_TOKENS = 8192
+DEFAULT_TURN_TOKENS = 2048
+DEFAULT_REPLY_TOKENS = 32
+DEFAULT_IMAGE_REPEATS = 5
 
 
 def batch_list(text: str) -> tuple[int, ...]:
@@ -41,6 +46,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def image_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    from ninfer.bench.image import parse_sizes
+
+    try:
+        return parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -56,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="random weights of this registered package's exact dims, made on the device (no artifact)",
     )
-    p.add_argument("--batch", type=batch_list, default=DEFAULT_BATCHES, help="batch sizes B (1,2,4,8)")
+    p.add_argument("--batch", type=batch_list, default=None, help="batch sizes B (1,2,4,8)")
     p.add_argument("--context", type=positive_int, default=2048, help="prompt tokens per decode request")
     p.add_argument("--decode-steps", type=positive_int, default=64, help="timed decode rounds per B")
     p.add_argument(
@@ -91,6 +115,50 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="decode backend: mtp:K, or known:K@TAU (a benchmark backend: K drafts a verify, TAU tokens "
         "accepted per row on average, through the real verify and commit; output text is meaningless)",
     )
+    p.add_argument(
+        "--prefix-cache",
+        choices=["on", "off"],
+        default=None,
+        help="the context cache (EngineConfig.prefix_cache): off by default (cold prompts), always on with "
+        "--multi-turn",
+    )
+    p.add_argument(
+        "--cache-memory-gb",
+        type=nonnegative_float,
+        default=None,
+        help="device memory for checkpoints beyond the lanes' (EngineConfig.cache_memory_gb; default: sized "
+        "by the Engine); needs the cache on",
+    )
+    p.add_argument(
+        "--multi-turn",
+        type=positive_int,
+        metavar="TURNS",
+        default=None,
+        help="run a synthetic agent conversation of TURNS turns (e.g. 10) through the context cache instead "
+        "of the standard suite; --context and --decode-steps then set its B=1 decode comparison",
+    )
+    p.add_argument(
+        "--turn-tokens",
+        type=positive_int,
+        default=None,
+        help=f"new user-message tokens per turn of --multi-turn (default {DEFAULT_TURN_TOKENS})",
+    )
+    p.add_argument(
+        "--reply-tokens",
+        type=positive_int,
+        default=None,
+        help=f"reply tokens per turn of --multi-turn (>= 2, default {DEFAULT_REPLY_TOKENS})",
+    )
+    p.add_argument(
+        "--image",
+        type=image_sizes,
+        metavar="WxH[,WxH...]",
+        default=None,
+        help="time the vision tower and one-image prompts at these sizes instead of the standard suite",
+    )
+    p.add_argument(
+        "--image-repeats", type=positive_int, default=None, help="timed runs per size of --image (median; 5)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -114,6 +182,31 @@ def _tokens_per_round(speculative: str | None) -> int:
     return 1 if spec is None else spec.draft_tokens + 1
 
 
+def mode_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the mode flags together, or None."""
+    multi, image = args.multi_turn is not None, args.image is not None
+    if multi and image:
+        return "give --multi-turn or --image, not both"
+    if not multi:
+        for flag in ("turn_tokens", "reply_tokens"):
+            if getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} needs --multi-turn"
+    if not image and args.image_repeats is not None:
+        return "--image-repeats needs --image"
+    if multi and args.prefix_cache == "off":
+        return "--multi-turn always runs with the context cache on; drop --prefix-cache off"
+    cache_on = multi or args.prefix_cache == "on"
+    if args.cache_memory_gb is not None and not cache_on:
+        return "--cache-memory-gb needs the context cache: add --prefix-cache on (or --multi-turn)"
+    if (multi or image) and args.batch is not None:
+        return f"--batch is for the standard suite; {'--multi-turn' if multi else '--image'} runs B=1"
+    if (multi or image) and args.speculative is not None:
+        return f"--speculative is for the standard suite, not {'--multi-turn' if multi else '--image'}"
+    if multi and (args.reply_tokens or DEFAULT_REPLY_TOKENS) < 2:
+        return "--reply-tokens must be >= 2 (a decode unit follows each turn's prefill)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -127,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.artifact is not None and args.synthetic is not None:
         return fail("give an ARTIFACT or --synthetic PACKAGE, not both")
+    problem = mode_problem(args)
+    if problem is not None:
+        return fail(problem)
+    multi, image = args.multi_turn is not None, args.image is not None
     try:
         if args.synthetic is not None:
             artifact = None
@@ -134,14 +231,18 @@ def run(args: argparse.Namespace) -> int:
         else:
             artifact, _ = split_artifact([args.artifact] if args.artifact else [], 0, "")
             package, _ = artifact_package(artifact)
+        # the Engine's own unit unless given: the plan needs it before the Engine starts
+        chunk = prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels)
+        batches = args.batch or DEFAULT_BATCHES
         plan = BenchPlan(
-            batches=args.batch,
+            batches=batches,
             context=args.context,
             decode_steps=args.decode_steps,
-            prefill_tokens=_prefill_tokens(args, package.variant.max_position_embeddings),
+            prefill_tokens=(
+                _prefill_tokens(args, package.variant.max_position_embeddings) if not (multi or image) else 1
+            ),
             prefill_repeats=args.prefill_repeats,
-            # the Engine's own unit unless given: the plan needs it before the Engine starts
-            prefill_chunk=prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels),
+            prefill_chunk=chunk,
             tokens_per_round=_tokens_per_round(args.speculative),
         )
         options = BenchOptions(
@@ -155,11 +256,37 @@ def run(args: argparse.Namespace) -> int:
             kernels=args.kernels,
             speculative=args.speculative,
             seed=args.seed,
+            prefix_cache=multi or args.prefix_cache == "on",
+            cache_memory_gb=args.cache_memory_gb,
         )
-        report = run_bench(options, log=lambda line: print(f"ninfer bench: {line}", file=sys.stderr))
+        log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731
+        if multi:
+            from ninfer.bench.multiturn import MultiTurnPlan, render_multi_turn, run_multi_turn
+
+            turn_plan = MultiTurnPlan(
+                turns=args.multi_turn,
+                turn_tokens=args.turn_tokens or DEFAULT_TURN_TOKENS,
+                reply_tokens=args.reply_tokens or DEFAULT_REPLY_TOKENS,
+                context=args.context,
+                decode_steps=args.decode_steps,
+                prefill_chunk=chunk,
+            )
+            report: object = run_multi_turn(options, turn_plan, log=log)
+            render = render_multi_turn
+        elif image:
+            from ninfer.bench.image import ImagePlan, render_image, run_image
+
+            image_plan = ImagePlan(
+                sizes=args.image, repeats=args.image_repeats or DEFAULT_IMAGE_REPEATS, prefill_chunk=chunk
+            )
+            report = run_image(options, image_plan, log=log)
+            render = render_image
+        else:
+            report = run_bench(options, log=log)
+            render = render_table
     except torch.cuda.OutOfMemoryError as e:
         return fail(f"out of device memory: {e}; lower --batch, --context or --prefill-tokens")
     except (OSError, ValueError, PackageMismatch, ArtifactError, NInferError, BenchError) as e:
         return fail(str(e))
-    print(json.dumps(report.to_json()) if args.json else render_table(report))
+    print(json.dumps(report.to_json()) if args.json else render(report))  # type: ignore[attr-defined,arg-type]
     return 0

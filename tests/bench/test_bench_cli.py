@@ -145,3 +145,18 @@ def test_demo_bench_names_its_kernels_and_weight_load(demo_report: tuple[dict, s
     report, _ = demo_report
     assert report["settings"]["kernels"] == "reference"  # auto on a CPU
     assert "GB to cpu" in report["load"] and "GB/s" in report["load"]
+
+
+def test_standard_suite_runs_cold_unless_the_cache_is_asked_for(
+    demo_report: tuple[dict, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    report, _ = demo_report
+    assert report["settings"]["prefix_cache"] is False
+    rc, out, err = run_cli(
+        capsys, "bench", "--batch", "1", "--context", "32", "--decode-steps", "4", "--prefill-tokens", "64",
+        "--device", "cpu", "--prefill-repeats", "1", "--prefix-cache", "on", "--cache-memory-gb", "0.01",
+        "--json",
+    )  # fmt: skip
+    assert rc == 0, err
+    on = json.loads(out)
+    assert on["settings"]["prefix_cache"] is True and [r["batch"] for r in on["decode"]] == [1]

@@ -50,3 +50,30 @@ def test_bundled_demo_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["dtype"] == "bfloat16"  # the artifact's storage dtype on a GPU
     for row in report["decode"]:
         assert 0 < row["floor_ms"] < row["ms_step"]
+
+
+def _mode(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    capsys.readouterr()
+    rc = main(["bench", "--synthetic", "qwen3_6_tiny", "--device", "cuda", "--json", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_multi_turn_on_cuda_times_captures_with_events(capsys: pytest.CaptureFixture[str]) -> None:
+    report = _mode(capsys, "--multi-turn", "3", "--turn-tokens", "200", "--reply-tokens", "8",
+                   "--context", "200", "--decode-steps", "16")  # fmt: skip
+    turns = report["turns"]
+    assert turns[0]["reused_tokens"] == 0
+    assert all(t["reused_tokens"] >= t["expected_reused_min"] > 0 for t in turns[1:])
+    assert all(t["cold_new"]["reused_tokens"] == 0 for t in turns)
+    assert report["capture"]["timing"] == "cuda events" and report["capture"]["device_ms"]["median"] > 0
+    assert report["decode"]["cache_off"]["ms_step"] > 0 and report["settings"]["cuda_graphs"] is True
+
+
+def test_image_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    report = _mode(capsys, "--image", "448x448,1024x1024", "--image-repeats", "3")
+    rows = report["images"]
+    assert [r["image_tokens"] for r in rows] == [196, 1024]
+    for row in rows:
+        assert 0 < row["tower_floor_ms"] < row["tower_ms"] and row["ttft_image_ms"] > 0
