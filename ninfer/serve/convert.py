@@ -83,7 +83,7 @@ def _content_part(part: ContentPart, where: str, images: bool, role: str) -> dic
     if isinstance(part, ImagePart) and images:
         if role not in IMAGE_ROLES:
             raise bad_request(
-                f"{where}: a {role} message cannot hold images; put them in a user message",
+                f"{where}: the {role} message cannot hold images; put them in a user message",
                 where,
                 code="unsupported_content",
             )
