@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 2**63
@@ -187,17 +188,17 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
 
-    @model_validator(mode="before")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _no_content_parts(cls, data: Any) -> Any:
+    def _no_content_parts(cls, prompt: Any) -> Any:
         """A prompt of chat content parts (images, say) gets a message that says where they go."""
-        prompt = data.get("prompt") if isinstance(data, dict) else None
         if isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt):
-            raise ValueError(
-                "prompt: /v1/completions takes text or token ids, which hold no images; send content "
-                "parts (text, image_url) as messages to /v1/chat/completions"
+            raise PydanticCustomError(
+                "content_parts",
+                "/v1/completions takes text or token ids, which hold no images; send content parts "
+                "(text, image_url) as messages to /v1/chat/completions",
             )
-        return data
+        return prompt
 
 
 class TokenizeRequest(_Model):

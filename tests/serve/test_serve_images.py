@@ -354,7 +354,8 @@ def test_completions_and_tokenize_refuse_images(server: tuple[str, Spy]) -> None
         response = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert response.status_code == 400, response.text
         message = response.json()["error"]["message"]
-        assert "/v1/completions takes text or token ids, which hold no images" in message
+        assert response.json()["error"]["param"] == "prompt"
+        assert message.startswith("prompt: /v1/completions takes text or token ids, which hold no images")
         assert "/v1/chat/completions" in message
     response = httpx.post(base + "/tokenize", json={"messages": user(text("hi"), image(data_url(PNG_A)))})
     assert response.status_code == 400 and "send images to /v1/chat/completions" in response.text
