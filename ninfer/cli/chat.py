@@ -11,7 +11,8 @@ that ends at a line ending in ``\"\"\"``. Lines starting with ``/`` are commands
 a reply streams cancels it (the turn is dropped) and returns to the prompt; Ctrl-D or end of input exits
 with status 0. With stdin not a terminal (``echo hi | ninfer chat``) every line is a turn and no prompt
 decoration is printed. A turn the Engine rejects (the context limit, for example) prints the Engine's
-message and leaves the conversation as it was; ``/reset`` clears it.
+message and leaves the conversation as it was; ``/reset`` clears it. ``/image PATH`` attaches an image (a
+file or a data: URL, read and decoded at once) to the next message; it stays in the history after.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -28,9 +30,11 @@ from ninfer.cli.common import (
     check_text,
     fail,
     interactive_engine_config,
+    one_line,
     product_errors,
     split_artifact,
 )
+from ninfer.cli.images import image_part
 
 if TYPE_CHECKING:  # the CLI imports the Engine lazily, so `ninfer --help` stays fast
     from ninfer import Engine, GenerationDelta, GenerationRequest, GenerationResult
@@ -43,6 +47,8 @@ HELP = """commands:
   /exit, /quit      leave the chat (Ctrl-D or end of input does too)
   /reset            forget the conversation (the --system message stays)
   /think on|off     let the model think before answering, or not; /think alone shows the setting
+  /image PATH       attach an image (a file or a data: URL) to your next message (repeatable); /image
+                    alone lists what is attached
   /help             this text
 input:
   a line ending in \\ continues on the next line; \"\"\" opens a block that ends at a line ending in \"\"\"
@@ -104,12 +110,13 @@ class Conversation:
     enable_thinking: bool = True
     turns: list[dict[str, Any]] = field(default_factory=list)
 
-    def messages(self, user_text: str) -> list[dict[str, Any]]:
-        """The request's messages: system, the history, then the new user message."""
+    def messages(self, user_text: str, images: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The request's messages: system, the history, then the new user message (its ``images``, decoded
+        image parts, before the text)."""
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return [*head, *self.turns, {"role": "user", "content": user_text}]
+        return [*head, *self.turns, _user(user_text, images)]
 
-    def record(self, user_text: str, reply: GenerationResult) -> None:
+    def record(self, user_text: str, reply: GenerationResult, images: Sequence[dict[str, Any]] = ()) -> None:
         """Keep a finished turn. Reasoning and tool calls go with the assistant message so the chat
         template can render (or drop, per its own rules) them in later prompts."""
         assistant: dict[str, Any] = {"role": "assistant", "content": reply.text}
@@ -124,10 +131,15 @@ class Conversation:
                 }
                 for call in reply.tool_calls
             ]
-        self.turns += [{"role": "user", "content": user_text}, assistant]
+        self.turns += [_user(user_text, images), assistant]
 
     def reset(self) -> None:
         self.turns.clear()
+
+
+def _user(text: str, images: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    content: Any = [*images, {"type": "text", "text": text}] if images else text
+    return {"role": "user", "content": content}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,6 +265,7 @@ class ChatSession:
         self.verbose = args.verbose
         self.terminal_out = sys.stdout.isatty()
         self.bad_input = False  # a turn was refused as undecodable text: the exit status says so
+        self.images: list[dict[str, Any]] = []  # attached by /image, sent with the next message
 
     def command(self, text: str) -> bool:
         """Run a ``/command``; False means leave the chat."""
@@ -262,7 +275,10 @@ class ChatSession:
             return False
         if name in ("/reset", "/clear"):
             self.conversation.reset()
+            self.images.clear()
             _say("[conversation cleared]")
+        elif name == "/image":
+            self.attach(rest)
         elif name == "/think":
             if rest in ("on", "off"):
                 self.conversation.enable_thinking = rest == "on"
@@ -279,11 +295,32 @@ class ChatSession:
             )
         return True
 
-    def request(self, user_text: str, max_tokens: int | None) -> GenerationRequest:
+    def attach(self, reference: str) -> None:
+        """``/image PATH``: decode the image now (a bad one is one line of error) and keep it for the next
+        message; ``/image`` alone lists what is attached."""
+        if not reference:
+            sizes = ", ".join(f"{p['image'].width} x {p['image'].height}" for p in self.images)
+            _say(f"[{len(self.images)} image(s) attached to the next message{': ' + sizes if sizes else ''}]")
+            return
+        try:
+            part = image_part(reference)
+        except ValueError as e:
+            _say(f"ninfer: error: /image {one_line(e)}")
+            return
+        self.images.append(part)
+        decoded = part["image"]
+        _say(
+            f"[image attached: {decoded.width} x {decoded.height}; it goes with your next message "
+            f"({len(self.images)} attached)]"
+        )
+
+    def request(
+        self, user_text: str, max_tokens: int | None, images: Sequence[dict[str, Any]] = ()
+    ) -> GenerationRequest:
         from ninfer import GenerationRequest
 
         return GenerationRequest(
-            messages=self.conversation.messages(user_text),
+            messages=self.conversation.messages(user_text, images),
             chat_template_kwargs={"enable_thinking": self.conversation.enable_thinking},
             **{**self.sampling, "max_tokens": max_tokens},
         )
@@ -294,17 +331,19 @@ class ChatSession:
         from ninfer import EngineFailed, GenerationDelta, GenerationResult, RequestRejected
 
         max_tokens = self.sampling["max_tokens"]
+        images, self.images = self.images, []  # attachments go with this turn, sent or dropped with it
+        dropped = f"; its {len(images)} attached image(s) were dropped too" if images else ""
         try:
-            handle = self.engine.submit(self.request(user_text, max_tokens))
+            handle = self.engine.submit(self.request(user_text, max_tokens, images))
         except RequestRejected as e:
             if e.kind != "context_too_long" or max_tokens is None:
-                _say(f"ninfer: error: {e.message} (/reset clears the conversation)")
+                _say(f"ninfer: error: {e.message} (/reset clears the conversation{dropped})")
                 return
             # the prompt fits but not with --max-tokens more: reply up to the context limit instead
             try:
-                handle = self.engine.submit(self.request(user_text, None))
+                handle = self.engine.submit(self.request(user_text, None, images))
             except RequestRejected as again:
-                _say(f"ninfer: error: {again.message} (/reset clears the conversation)")
+                _say(f"ninfer: error: {again.message} (/reset clears the conversation{dropped})")
                 return
         printer = ReplyPrinter(sys.stdout, self.terminal_out)
         started = time.monotonic()
@@ -325,12 +364,12 @@ class ChatSession:
         if reply.finish_reason == "error":
             if isinstance(reply.error, EngineFailed):
                 raise reply.error
-            _say(f"ninfer: error: {reply.error}")
+            _say(f"ninfer: error: {reply.error}{dropped}")
             return
         if reply.finish_reason == "cancelled":
-            _say("[cancelled; the turn was dropped]")
+            _say(f"[cancelled; the turn was dropped{dropped}]")
             return
-        self.conversation.record(user_text, reply)
+        self.conversation.record(user_text, reply, images)
         if reply.finish_reason == "length":
             _say(f"[reply cut at {reply.usage.completion_tokens} tokens: --max-tokens or the context limit]")
         if self.verbose:

@@ -5,8 +5,10 @@ the Engine, which takes them from the model's generation config (as vLLM does, a
 `ninfer chat` do).
 
 The prompt goes through the package's chat template as one user message (thinking on unless
-`--no-think`); `--raw` sends it as plain text instead. Reasoning text is printed dimmed when stdout is
-a terminal. `--json` prints one machine-readable result instead of streaming.
+`--no-think`); `--raw` sends it as plain text instead. `--image PATH` (repeatable) puts images in the
+user message before the text (a local file or a data: URL; see ninfer/cli/images.py). Reasoning text is
+printed dimmed when stdout is a terminal. `--json` prints one machine-readable result instead of
+streaming.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ninfer.cli.common import (
     product_errors,
     split_artifact,
 )
+from ninfer.cli.images import image_part
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -37,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a .ninfer file (default: the bundled demo model) and the prompt text",
     )
     p.add_argument("--raw", action="store_true", help="plain prompt, no chat template")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="an image (a file or a data: URL) in the user message, before the prompt text (repeatable; "
+        "needs a model with a vision tower)",
+    )
     p.add_argument("--system", default=None, help="system message (chat mode)")
     p.add_argument("--no-think", action="store_true", help="chat template with enable_thinking=false")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -54,8 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_request(args: argparse.Namespace) -> Any:
-    """The request as the command line gives it: sampling flags left out stay ``None`` (model default)."""
+def build_request(args: argparse.Namespace, images: list[dict[str, Any]] | None = None) -> Any:
+    """The request as the command line gives it: sampling flags left out stay ``None`` (model default).
+    ``images``: decoded image parts (``--image``), placed before the text."""
     from ninfer import GenerationRequest
 
     sampling = dict(
@@ -70,7 +82,8 @@ def build_request(args: argparse.Namespace) -> Any:
     )
     if args.raw:
         return GenerationRequest(prompt=args.prompt, **sampling)
-    messages = [{"role": "user", "content": args.prompt}]
+    content: Any = [*images, {"type": "text", "text": args.prompt}] if images else args.prompt
+    messages = [{"role": "user", "content": content}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
     return GenerationRequest(
@@ -87,9 +100,15 @@ def run(args: argparse.Namespace) -> int:
         return fail(problem)
     if not args.prompt.strip():  # the same in both modes: a chat turn of nothing is no prompt either
         return fail("the prompt is empty; give some text")
+    if args.image and args.raw:
+        return fail("--image needs the chat template (an image is a chat content part); drop --raw")
+    try:
+        images = [image_part(path) for path in args.image or ()]
+    except ValueError as e:
+        return fail(f"--image {e}")
     try:
         config = interactive_engine_config(args)
-        request = build_request(args)
+        request = build_request(args, images)
         if request.problems():
             return fail("; ".join(request.problems()))
         engine = Engine(artifact, config)

@@ -113,8 +113,77 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="causal_scoring: tokens a scoring window advances by (default: half the window)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_media_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run)
+
+
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """Where chat image_url parts may come from (data: URLs always) and how large they may be."""
+    from ninfer.product.media_acquire import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+
+    g = p.add_argument_group("images (image_url content parts; data: URLs are always accepted)")
+    g.add_argument(
+        "--media-root",
+        default=None,
+        metavar="DIR",
+        help="accept local image paths, only inside DIR (relative paths are taken from it; default: none)",
+    )
+    g.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch http(s) image URLs (default: off); loopback/private/link-local addresses stay refused",
+    )
+    g.add_argument(
+        "--allow-media-network",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="with --allow-remote-media, also fetch from this otherwise refused network, e.g. an "
+        "intranet image host's 10.1.2.0/24 (repeatable)",
+    )
+    g.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help=f"largest image (data: payload, file or download) in bytes ({DEFAULT_MAX_BYTES})",
+    )
+    g.add_argument(
+        "--media-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds one remote image fetch may take, redirects included ({DEFAULT_TIMEOUT_S:g})",
+    )
+    g.add_argument("--max-images", type=int, default=None, help="images per request (default 32)")
+    g.add_argument(
+        "--max-image-tokens",
+        type=int,
+        default=None,
+        help="image tokens one request may carry; the vision tower's memory is reserved for this many "
+        "(default 16384; a 1024 x 1024 image is 1024)",
+    )
+
+
+def image_input(args: argparse.Namespace, vision: bool | None = None) -> Any:
+    """The gateway's ImageInput from the media flags; ValueError names an invalid one."""
+    from ninfer.product.media_acquire import MediaPolicy
+    from ninfer.product.prompt_input import DEFAULT_MAX_IMAGES
+    from ninfer.serve.images import ImageInput
+
+    if args.allow_media_network and not args.allow_remote_media:
+        raise ValueError("--allow-media-network needs --allow-remote-media")
+    if args.media_root is not None and not os.path.isdir(args.media_root):
+        raise ValueError(f"--media-root {args.media_root!r} is not a directory")
+    policy = MediaPolicy(
+        media_root=args.media_root,
+        allow_remote=args.allow_remote_media,
+        allowed_networks=tuple(args.allow_media_network),
+        max_bytes=args.max_image_bytes,
+        timeout_s=args.media_timeout,
+    )
+    max_images = DEFAULT_MAX_IMAGES if args.max_images is None else args.max_images
+    return ImageInput(policy=policy, max_images=max_images, vision=vision)
 
 
 def tcp_port(text: str) -> int:
@@ -128,8 +197,9 @@ def tcp_port(text: str) -> int:
     return port
 
 
-def serve_config(args: argparse.Namespace, package_name: str) -> ServeConfig:
-    """The gateway's settings from the flags; ValueError names an invalid one (a blank API key too)."""
+def serve_config(args: argparse.Namespace, package_name: str, vision: bool | None = None) -> ServeConfig:
+    """The gateway's settings from the flags; ValueError names an invalid one (a blank API key too).
+    ``vision``: whether the package has a vision tower (None: unknown; the Engine refuses images then)."""
     from ninfer.serve.gateway import ServeConfig
 
     limits = RequestLimits(
@@ -143,6 +213,7 @@ def serve_config(args: argparse.Namespace, package_name: str) -> ServeConfig:
         api_key=args.api_key,
         limits=limits,
         public_metrics=args.public_metrics,
+        images=image_input(args, vision),
     )
 
 
@@ -172,6 +243,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "decode_lookahead": decode_lookahead(args),
         "kernels": args.kernels,
     }
+    if args.max_image_tokens is not None:
+        common["max_image_tokens"] = args.max_image_tokens
     if args.purpose != "causal_scoring":
         if args.score_window is not None or args.score_stride is not None:
             raise ValueError("--score-window and --score-stride apply to --purpose causal_scoring only")
@@ -210,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     app = create_app(
-        lambda: Engine(args.artifact, config), serve_config(args, package.name), frontend=frontend
+        lambda: Engine(args.artifact, config),
+        serve_config(args, package.name, vision=package.variant.vision is not None),
+        frontend=frontend,
     )
     serve_forever(app, args.host, args.port, log_level=args.log_level)
     return 0

@@ -6,6 +6,7 @@
 
 from ninfer.serve.app import create_app
 from ninfer.serve.gateway import ServeConfig
+from ninfer.serve.images import ImageInput
 from ninfer.serve.server import BackgroundServer, serve_forever
 
-__all__ = ["BackgroundServer", "ServeConfig", "create_app", "serve_forever"]
+__all__ = ["BackgroundServer", "ImageInput", "ServeConfig", "create_app", "serve_forever"]

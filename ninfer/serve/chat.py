@@ -7,6 +7,7 @@ calls arrive parsed (``tool_calls``), so the gateway only reshapes them. ``finis
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from ninfer.serve.convert import (
 )
 from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
+from ninfer.serve.images import ImageAcquirer
 from ninfer.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from ninfer.serve.responses import JSONBody
 from ninfer.serve.streaming import SSE_DONE, ClientGone, EventStreamResponse, sse, unless_disconnected
@@ -55,7 +57,7 @@ def generation_request(body: ChatCompletionRequest, vocab_size: int) -> Generati
     tools = None if choice == "none" else tool_dicts(body.tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerationRequest(
-        messages=chat_messages(body.messages),
+        messages=chat_messages(body.messages, images=True),  # image_url parts: acquired by the handler
         tools=tools,
         chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
         max_tokens=max_tokens,
@@ -95,6 +97,7 @@ class ChatHandler:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.tokens = TokenTexts(gateway.host.frontend)
+        self.images = ImageAcquirer(gateway.config.images, gateway.config.model_name)
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         gw = self.gateway
@@ -109,6 +112,10 @@ class ChatHandler:
                 code="wrong_purpose",
             )
         generation = generation_request(body, gw.host.frontend.vocab_size)
+        assert generation.messages is not None
+        messages = await self.images.acquire(list(generation.messages))  # off the loop; 400 if refused
+        if messages is not generation.messages:
+            generation = dataclasses.replace(generation, messages=messages)
         run = await gw.submit(generation, ENDPOINT, "messages")
         meta = {
             "id": f"chatcmpl-{secrets.token_hex(16)}",

@@ -28,6 +28,8 @@ from ninfer.types import NEUTRAL_SAMPLING, GenerationRequest, NInferError, Reque
 # keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
 BOOL_TEMPLATE_KWARGS = ("enable_thinking", "preserve_thinking", "add_generation_prompt")
+# roles whose messages may hold images (the chat template refuses them in system messages)
+IMAGE_ROLES = ("user", "tool")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ServeError:
@@ -75,33 +77,52 @@ def check_common(body: SamplingFields, vocab_size: int) -> None:
         raise bad_request("stream_options is only valid with stream: true", "stream_options")
 
 
-def _content_part(part: ContentPart, where: str) -> dict[str, Any]:
+def _content_part(part: ContentPart, where: str, images: bool, role: str) -> dict[str, Any]:
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text}
-    if isinstance(part, (ImagePart, MediaPart)):
-        kind = "image" if isinstance(part, ImagePart) or part.type in ("image", "input_image") else part.type
+    if isinstance(part, ImagePart) and images:
+        if role not in IMAGE_ROLES:
+            raise bad_request(
+                f"{where}: the {role} message cannot hold images; put them in a user message",
+                where,
+                code="unsupported_content",
+            )
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return {"type": "image_url", "image_url": {"url": url}}  # acquired by the chat handler
+    if isinstance(part, ImagePart):
         raise bad_request(
-            f"{where}: {kind} content is not supported yet (this server has no vision preprocessing); "
-            "send text parts only",
+            f"{where}: image content is not accepted here; send images to /v1/chat/completions",
+            where,
+            code="unsupported_content",
+        )
+    if isinstance(part, MediaPart):
+        hint = " (images are image_url parts)" if part.type in ("image", "input_image") else ""
+        raise bad_request(
+            f"{where}: {part.type} content is not supported{hint}; send text and image_url parts",
             where,
             code="unsupported_content",
         )
     raise bad_request(f"{where}: unknown content part", where)
 
 
-def _content(content: str | list[ContentPart] | None, where: str) -> str | list[dict[str, Any]] | None:
+def _content(
+    content: str | list[ContentPart] | None, where: str, images: bool, role: str
+) -> str | list[dict[str, Any]] | None:
     if content is None or isinstance(content, str):
         return content
-    return [_content_part(part, f"{where}[{j}]") for j, part in enumerate(content)]
+    return [_content_part(part, f"{where}[{j}]", images, role) for j, part in enumerate(content)]
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Plain message dicts in the shape the chat template reads (media refused with a 400)."""
+def chat_messages(messages: Sequence[ChatMessage], *, images: bool = False) -> list[dict[str, Any]]:
+    """Plain message dicts in the shape the chat template reads. ``images``: image_url parts of user and
+    tool messages stay ``{"type": "image_url", "image_url": {"url": ...}}`` for the caller to acquire
+    (``ninfer.serve.images``); without it every media part is refused with a 400."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}].content"
-        msg: dict[str, Any] = {"role": "system" if isinstance(m, SystemMessage) else m.role}
-        msg["content"] = _content(m.content, where)
+        role = "system" if isinstance(m, SystemMessage) else m.role
+        msg: dict[str, Any] = {"role": role}
+        msg["content"] = _content(m.content, where, images, role)
         if isinstance(m, AssistantMessage):
             reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
             if reasoning is not None:

@@ -18,6 +18,7 @@ from ninfer.runtime.engine.engine import GenerationHandle
 from ninfer.serve.convert import check_prompt_size, engine_param
 from ninfer.serve.errors import ServeError, from_engine_error
 from ninfer.serve.host import EngineHost
+from ninfer.serve.images import ImageInput
 from ninfer.serve.limits import RequestLimits
 from ninfer.serve.metrics import RequestTracker, ServeMetrics
 from ninfer.types import (
@@ -40,6 +41,7 @@ class ServeConfig:
     ``api_key`` ``None`` serves without authentication; an empty or blank key, or one with whitespace or
     control characters (which no ``Authorization`` header could carry), is a ValueError rather than a
     server nobody, or everybody, can use. ``public_metrics`` serves ``/metrics`` without the key.
+    ``images``: where image_url parts may come from (default: ``data:`` URLs only) and their limits.
     """
 
     model_name: str
@@ -48,6 +50,7 @@ class ServeConfig:
     owned_by: str = "ninfer"
     limits: RequestLimits = field(default_factory=RequestLimits)
     public_metrics: bool = False
+    images: ImageInput = field(default_factory=ImageInput)  # image_url parts (ninfer.serve.images)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

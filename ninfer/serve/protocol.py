@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 2**63
@@ -42,7 +43,9 @@ class ImageURL(_Model):
 
 
 class ImagePart(_Model):
-    """Accepted by the schema so the refusal can say why: images need the vision work (400 for now)."""
+    """An image by URL: ``data:``, ``http(s)`` (``--allow-remote-media``) or a path under ``--media-root``;
+    or the URL string itself. ``detail`` is accepted and ignored (the preprocessor picks the resolution).
+    The chat handler acquires it (``ninfer.serve.images``); other endpoints refuse it."""
 
     type: Literal["image_url"]
     image_url: ImageURL | str
@@ -184,6 +187,18 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_content_parts(cls, prompt: Any) -> Any:
+        """A prompt of chat content parts (images, say) gets a message that says where they go."""
+        if isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt):
+            raise PydanticCustomError(
+                "content_parts",
+                "/v1/completions takes text or token ids, which hold no images; send content parts "
+                "(text, image_url) as messages to /v1/chat/completions",
+            )
+        return prompt
 
 
 class TokenizeRequest(_Model):

@@ -241,8 +241,8 @@ def test_models_and_tokenizer_endpoints(
                 ]
             },
             400,
-            "unsupported_content",
-            "image",
+            "invalid_image",
+            "remote image URLs are not accepted here",
         ),
         (
             {"messages": [{"role": "user", "content": "hi " * 200}]},
