@@ -7,6 +7,7 @@ calls arrive parsed (``tool_calls``), so the gateway only reshapes them. ``finis
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -23,12 +24,12 @@ from ninfer.serve.convert import (
     sampling_kwargs,
     template_kwargs,
     tool_dicts,
-    usage_dict,
 )
 from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from ninfer.serve.responses import JSONBody
+from ninfer.serve.reuse import reuse_fields, usage_out
 from ninfer.serve.streaming import SSE_DONE, ClientGone, EventStreamResponse, sse, unless_disconnected
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, ToolCallDelta
 
@@ -109,6 +110,7 @@ class ChatHandler:
                 code="wrong_purpose",
             )
         generation = generation_request(body, gw.host.frontend.vocab_size)
+        generation = dataclasses.replace(generation, **reuse_fields(request))
         run = await gw.submit(generation, ENDPOINT, "messages")
         meta = {
             "id": f"chatcmpl-{secrets.token_hex(16)}",
@@ -149,13 +151,7 @@ class ChatHandler:
             else None,
             "finish_reason": _finish_reason(result),
         }
-        u = result.usage
-        return {
-            **meta,
-            "object": "chat.completion",
-            "choices": [choice],
-            "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.reused_prefix_tokens),
-        }
+        return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage_out(result.usage)}
 
     # ---- stream ----
     async def _chunks(
@@ -197,7 +193,5 @@ class ChatHandler:
                 return
             yield chunk({}, _finish_reason(event), pending if logprobs and pending else None)
             if include_usage:
-                u = event.usage
-                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.reused_prefix_tokens)
-                yield sse({**base, "choices": [], "usage": usage})
+                yield sse({**base, "choices": [], "usage": usage_out(event.usage)})
         yield SSE_DONE
