@@ -188,7 +188,7 @@ class EngineCacheCollector(Collector):
             (
                 "queries",
                 stats.queries,
-                "Admissions that looked for a cached prefix (none while the cache is empty)",
+                "Admissions that looked for a cached prefix (each request with the cache on, once)",
             ),
             ("hits", stats.hits, "Admissions that continued a cached checkpoint"),
             ("hit_tokens", stats.hit_tokens, "Prompt tokens served from checkpoints, not prefilled"),
