@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -27,11 +28,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ninfer.cli.common import (
     add_engine_flags,
+    add_reuse_flags,
     check_text,
     fail,
     interactive_engine_config,
     one_line,
     product_errors,
+    speculative_problem,
     split_artifact,
 )
 from ninfer.cli.images import image_part
@@ -79,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="after each reply print why it ended, token counts and speed on stderr",
     )
     add_engine_flags(p)
+    add_reuse_flags(p)
     p.set_defaults(func=run)
 
 
@@ -250,6 +254,10 @@ class ReplyPrinter:
 # ---------------------------------------------------------------------------------------------------
 
 
+def new_session_id() -> str:
+    return f"chat-{secrets.token_hex(8)}"
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -264,6 +272,9 @@ class ChatSession:
         self.sampling = sampling_options(args)
         self.verbose = args.verbose
         self.terminal_out = sys.stdout.isatty()
+        # the context cache's session key: each turn continues the checkpoint the last one left (a hint:
+        # reuse is decided by content, so a reply never depends on it); /reset starts a new session
+        self.session_id = new_session_id()
         self.bad_input = False  # a turn was refused as undecodable text: the exit status says so
         self.images: list[dict[str, Any]] = []  # attached by /image, sent with the next message
 
@@ -276,6 +287,7 @@ class ChatSession:
         if name in ("/reset", "/clear"):
             self.conversation.reset()
             self.images.clear()
+            self.session_id = new_session_id()
             _say("[conversation cleared]")
         elif name == "/image":
             self.attach(rest)
@@ -322,6 +334,7 @@ class ChatSession:
         return GenerationRequest(
             messages=self.conversation.messages(user_text, images),
             chat_template_kwargs={"enable_thinking": self.conversation.enable_thinking},
+            session_id=self.session_id,
             **{**self.sampling, "max_tokens": max_tokens},
         )
 
@@ -376,9 +389,12 @@ class ChatSession:
             seconds = time.monotonic() - started
             u = reply.usage
             rate = u.completion_tokens / max(seconds, 1e-9)
+            drafts = ""
+            if u.drafted_tokens:
+                drafts = f", {u.accepted_draft_tokens}/{u.drafted_tokens} drafts accepted"
             _say(
                 f"[{reply.finish_reason}; {u.prompt_tokens} prompt ({u.reused_prefix_tokens} cached) + "
-                f"{u.completion_tokens} generated tokens, {rate:.1f} tok/s]"
+                f"{u.completion_tokens} generated tokens{drafts}, {rate:.1f} tok/s]"
             )
 
     def loop(self, reader: TurnReader) -> int:
@@ -418,6 +434,9 @@ def run(args: argparse.Namespace) -> int:
     artifact, _ = split_artifact([args.artifact] if args.artifact else [], 0, "")
     try:
         config = interactive_engine_config(args)
+        problem = speculative_problem(artifact, config.speculative)
+        if problem is not None:
+            return fail(problem)
         engine = Engine(artifact, config)
     except product_errors() as e:
         return fail(e)

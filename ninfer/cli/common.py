@@ -45,6 +45,120 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_reuse_flags(p: argparse.ArgumentParser) -> None:
+    """The context cache and speculative decoding (`serve`, `generate`, `chat`): EngineConfig's
+    ``prefix_cache``, ``cache_memory_gb``, ``capture_interval`` and ``speculative``. A flag left out
+    stays ``None`` (the Engine's default), so a command can tell it was not given."""
+    p.add_argument(
+        "--prefix-cache",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help="reuse the state of prompt prefixes the Engine has run before (default on); the output is "
+        "the same either way",
+    )
+    p.add_argument(
+        "--cache-memory-gb",
+        type=cache_memory_gb,
+        default=None,
+        metavar="GB",
+        help="device memory for prefix checkpoints beyond the lanes' own (default: sized from the free "
+        "memory on CUDA, a small amount on CPU)",
+    )
+    p.add_argument(
+        "--capture-interval",
+        type=capture_interval,
+        default=None,
+        metavar="N",
+        help="prompt tokens between two checkpoints inside a long prompt (default 4096)",
+    )
+    p.add_argument(
+        "--speculative",
+        type=speculative_method,
+        default=None,
+        metavar="mtp:K",
+        help="speculative decoding with the model's MTP head, K = 1..8 drafts per verify (default off; "
+        "the output is the same as without)",
+    )
+
+
+def on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def cache_memory_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}")
+    return value
+
+
+def capture_interval(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {value}")
+    return value
+
+
+def speculative_method(text: str) -> str:
+    """``mtp:K`` checked by the Engine's own parser; the benchmark backend ``known:K@TAU`` (whose output
+    is scripted, not the model's) belongs to `ninfer bench` only."""
+    from ninfer.types import MAX_DRAFT_TOKENS, parse_speculative
+
+    method, _, count = text.partition(":")
+    if method != "mtp" or not count.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected mtp:K (K = 1..{MAX_DRAFT_TOKENS} draft tokens per verify), got {text!r}"
+            + ("; known:K@TAU is a benchmark backend (ninfer bench)" if text.startswith("known:") else "")
+        )
+    try:
+        parse_speculative(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def reuse_config(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments of the flags `add_reuse_flags` added that were given."""
+    given = {
+        "prefix_cache": args.prefix_cache,
+        "cache_memory_gb": args.cache_memory_gb,
+        "capture_interval": args.capture_interval,
+        "speculative": args.speculative,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def speculative_problem(artifact_path: str, speculative: str | None) -> str | None:
+    """Why ``speculative`` cannot run on the artifact's package, from its header alone (before any
+    weight is read): ``mtp:K`` needs a package with an MTP layer. None when it can (or when the header
+    cannot be read: opening the Engine then reports that)."""
+    if speculative is None:
+        return None
+    from ninfer.artifact import Artifact, ArtifactError
+    from ninfer.targets.identity import check_identity
+
+    try:
+        with Artifact.open(artifact_path) as artifact:
+            package = check_identity(artifact)
+    except (ArtifactError, OSError, ValueError):
+        return None
+    if not getattr(package.variant, "mtp_num_hidden_layers", 0):
+        return (
+            f"--speculative {speculative}: package {package.name!r} has no MTP layer (no multi-token "
+            "prediction weights to draft with); drop --speculative"
+        )
+    return None
+
+
 def interactive_engine_config(args: argparse.Namespace) -> Any:
     """The Engine of a one-user command (`generate`, `chat`): one lane, no queue, no warmup request."""
     from ninfer import EngineConfig
@@ -59,6 +173,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         warmup=False,
+        **reuse_config(args),
     )
 
 

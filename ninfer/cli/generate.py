@@ -20,10 +20,12 @@ from typing import Any
 
 from ninfer.cli.common import (
     add_engine_flags,
+    add_reuse_flags,
     check_text,
     fail,
     interactive_engine_config,
     product_errors,
+    speculative_problem,
     split_artifact,
 )
 from ninfer.cli.images import image_part
@@ -59,9 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument(
-        "--json", action="store_true", help='print {"text", "token_ids", "finish_reason", "usage"}'
+        "--json",
+        action="store_true",
+        help='print {"text", "token_ids", "finish_reason", "usage"} (and "speculative" with --speculative)',
     )
     add_engine_flags(p)
+    add_reuse_flags(p)
     p.set_defaults(func=run)
 
 
@@ -93,6 +98,7 @@ def build_request(args: argparse.Namespace, images: list[dict[str, Any]] | None 
 
 def run(args: argparse.Namespace) -> int:
     from ninfer import Engine, GenerationDelta, GenerationResult
+    from ninfer.types import parse_speculative
 
     artifact, (args.prompt,) = split_artifact(args.positionals, 1, "PROMPT")
     problem = check_text(args.prompt, "the prompt")
@@ -111,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         request = build_request(args, images)
         if request.problems():
             return fail("; ".join(request.problems()))
+        problem = speculative_problem(artifact, config.speculative)
+        if problem is not None:
+            return fail(problem)
         engine = Engine(artifact, config)
     except product_errors() as e:
         return fail(e)
@@ -149,16 +158,27 @@ def run(args: argparse.Namespace) -> int:
                 "prompt_tokens": result.usage.prompt_tokens,
                 "completion_tokens": result.usage.completion_tokens,
                 "total_tokens": result.usage.total_tokens,
+                "cached_tokens": result.usage.reused_prefix_tokens,
             },
         }
+        spec = parse_speculative(config.speculative)
+        if spec is not None:
+            out["speculative"] = {
+                "method": spec.method,
+                "k": spec.draft_tokens,
+                "drafted": result.usage.drafted_tokens,
+                "accepted": result.usage.accepted_draft_tokens,
+            }
         print(json.dumps(out, ensure_ascii=False))
     else:
         for call in result.tool_calls:
             print(f"\n[tool call] {call.name}({call.arguments})")
         print()
+        u = result.usage
+        drafts = f"; {u.accepted_draft_tokens}/{u.drafted_tokens} drafts accepted" if u.drafted_tokens else ""
         print(
-            f"[{result.finish_reason}; {result.usage.prompt_tokens} prompt + "
-            f"{result.usage.completion_tokens} generated tokens]",
+            f"[{result.finish_reason}; {u.prompt_tokens} prompt ({u.reused_prefix_tokens} cached) + "
+            f"{u.completion_tokens} generated tokens{drafts}]",
             file=sys.stderr,
         )
     return 0

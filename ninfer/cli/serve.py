@@ -14,7 +14,15 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ninfer.cli.common import add_engine_flags, decode_lookahead, fail, split_artifact
+from ninfer.cli.common import (
+    add_engine_flags,
+    add_reuse_flags,
+    decode_lookahead,
+    fail,
+    reuse_config,
+    speculative_problem,
+    split_artifact,
+)
 from ninfer.cli.score import DEFAULT_SCORE_WINDOW, max_context_note, scoring_window
 from ninfer.serve.limits import RequestLimits
 
@@ -31,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve an OpenAI-compatible HTTP API",
         description="Serve one .ninfer artifact over an OpenAI-compatible HTTP API "
         "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, "
-        "/metrics).",
+        "/metrics, /reset_prefix_cache).",
     )
     p.add_argument(
         "artifact", nargs="?", default=None, help="a .ninfer file (default: the bundled demo model)"
@@ -115,6 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_media_flags(p)
     add_engine_flags(p)
+    add_reuse_flags(p)
     p.set_defaults(func=run)
 
 
@@ -245,10 +254,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     }
     if args.max_image_tokens is not None:
         common["max_image_tokens"] = args.max_image_tokens
+    reuse = reuse_config(args)
     if args.purpose != "causal_scoring":
         if args.score_window is not None or args.score_stride is not None:
             raise ValueError("--score-window and --score-stride apply to --purpose causal_scoring only")
-        return EngineConfig(max_context=args.max_context, **common)
+        return EngineConfig(max_context=args.max_context, **common, **reuse)
+    if reuse:
+        flags = ", ".join("--" + name.replace("_", "-") for name in reuse)
+        raise ValueError(
+            f"{flags}: for --purpose generation only (a scoring server neither caches nor drafts)"
+        )
     note = max_context_note(args.score_window, args.max_context)
     if note is not None:
         print(f"ninfer serve: warning: {note}", file=sys.stderr)
@@ -276,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
         frontend = load_frontend(args.artifact)
     except (ArtifactError, OSError, ValueError) as e:
         return fail(" ".join(str(e).split()))
+    problem = speculative_problem(args.artifact, config.speculative)
+    if problem is not None:  # refused before listening, not as a failed /ready after the load
+        return fail(problem)
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"ninfer serve: warning: listening on {args.host} without an API key; anyone who can reach the "

@@ -32,6 +32,7 @@ from ninfer.serve.errors import ServeError, install_error_handlers
 from ninfer.serve.gateway import Gateway, ServeConfig
 from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
 from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyGuardMiddleware, RequestLimits, parse_json_body
+from ninfer.serve.metrics import EngineView, ServeMetrics
 from ninfer.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -43,12 +44,14 @@ from ninfer.serve.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PrefixCacheReset,
     ReadyResponse,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )
 from ninfer.serve.responses import JSONBody
+from ninfer.serve.reuse import RESET_PATHS, reset_prefix_cache
 from ninfer.serve.tokens import TokenHandlers
 
 log = logging.getLogger("ninfer.serve")
@@ -177,7 +180,15 @@ def create_app(
             raise TypeError("create_app(loader, ...) needs frontend=load_frontend(artifact)")
         frontend = cast(ServeFrontend, source.frontend)
     host = EngineHost(source, frontend, retry_after_s=config.retry_after_s)
-    gateway = Gateway(config, host)
+
+    def engine_view() -> EngineView | None:
+        """The loaded generation Engine's cache counters for /metrics (none while loading)."""
+        engine = host.loaded
+        if engine is None or engine.config.purpose != "generation":
+            return None
+        return EngineView(engine.cache_stats, engine.config.speculative)
+
+    gateway = Gateway(config, host, metrics=ServeMetrics(engine_view))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -261,6 +272,14 @@ def create_app(
     @authed.get("/tokenizer_info", response_model=TokenizerInfo)
     async def tokenizer_info() -> dict[str, Any]:
         return tokens.tokenizer_info()
+
+    async def reset_cache(request: Request) -> dict[str, Any]:
+        """Drop every cached prefix checkpoint not in use by a running request; answers how many were
+        dropped (`dropped`) and how many the Engine still holds (`checkpoints`: those in use)."""
+        return await counted(request.url.path, reset_prefix_cache(host))
+
+    for path in RESET_PATHS:  # vLLM's name and SGLang's
+        authed.add_api_route(path, reset_cache, methods=["POST"], response_model=PrefixCacheReset)
 
     started = int(time.time())
 

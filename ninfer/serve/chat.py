@@ -24,13 +24,13 @@ from ninfer.serve.convert import (
     sampling_kwargs,
     template_kwargs,
     tool_dicts,
-    usage_dict,
 )
 from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.images import ImageAcquirer
 from ninfer.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from ninfer.serve.responses import JSONBody
+from ninfer.serve.reuse import reuse_fields, usage_out
 from ninfer.serve.streaming import SSE_DONE, ClientGone, EventStreamResponse, sse, unless_disconnected
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, ToolCallDelta
 
@@ -116,6 +116,7 @@ class ChatHandler:
         messages = await self.images.acquire(list(generation.messages))  # off the loop; 400 if refused
         if messages is not generation.messages:
             generation = dataclasses.replace(generation, messages=messages)
+        generation = dataclasses.replace(generation, **reuse_fields(request))
         run = await gw.submit(generation, ENDPOINT, "messages")
         meta = {
             "id": f"chatcmpl-{secrets.token_hex(16)}",
@@ -156,13 +157,7 @@ class ChatHandler:
             else None,
             "finish_reason": _finish_reason(result),
         }
-        u = result.usage
-        return {
-            **meta,
-            "object": "chat.completion",
-            "choices": [choice],
-            "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.reused_prefix_tokens),
-        }
+        return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage_out(result.usage)}
 
     # ---- stream ----
     async def _chunks(
@@ -204,7 +199,5 @@ class ChatHandler:
                 return
             yield chunk({}, _finish_reason(event), pending if logprobs and pending else None)
             if include_usage:
-                u = event.usage
-                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.reused_prefix_tokens)
-                yield sse({**base, "choices": [], "usage": usage})
+                yield sse({**base, "choices": [], "usage": usage_out(event.usage)})
         yield SSE_DONE

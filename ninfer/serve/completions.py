@@ -33,6 +33,7 @@ from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.protocol import CompletionRequest
 from ninfer.serve.responses import JSONBody
+from ninfer.serve.reuse import reuse_fields, sum_usage, usage_out
 from ninfer.serve.streaming import (
     SSE_DONE,
     ClientGone,
@@ -145,6 +146,7 @@ class CompletionsHandler:
                 "prompt",
             )
         sampling = sampling_kwargs(body)
+        reuse = reuse_fields(request)  # one session key for every prompt of a batch
         top = body.logprobs or 0
         runs: list[EngineRun] = []
 
@@ -160,6 +162,7 @@ class CompletionsHandler:
                     logprobs=body.logprobs is not None,
                     top_logprobs=top,
                     **sampling,
+                    **reuse,
                 )
                 runs.append(await self.gateway.submit(req, ENDPOINT, prompt_param(prompts, i)))
             echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
@@ -195,12 +198,7 @@ class CompletionsHandler:
             )
             for i, r in enumerate(results)
         ]
-        usage = Usage(
-            prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-            completion_tokens=sum(r.usage.completion_tokens for r in results),
-            reused_prefix_tokens=sum(r.usage.reused_prefix_tokens for r in results),
-        )
-        return JSONBody(self._body(meta, choices, usage))
+        return JSONBody(self._body(meta, choices, usage_out(sum_usage(r.usage for r in results))))
 
     def _choice(
         self,
@@ -233,13 +231,8 @@ class CompletionsHandler:
         return choice
 
     @staticmethod
-    def _body(meta: dict[str, Any], choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
-        return {
-            **meta,
-            "object": "text_completion",
-            "choices": choices,
-            "usage": usage_dict(usage.prompt_tokens, usage.completion_tokens, usage.reused_prefix_tokens),
-        }
+    def _body(meta: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
     async def _echo_texts(self, prompts: list[Prompt]) -> list[str]:
         return [
@@ -273,7 +266,8 @@ class CompletionsHandler:
         echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
         choices = [self._choice(i, echoes[i], "", "", None, "length") for i in range(len(prompts))]
         self.gateway.count(ENDPOINT, "length")
-        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=sum(len(i) for i in ids))))
+        usage = usage_dict(sum(len(i) for i in ids), 0)
+        return JSONBody(self._body(meta, choices, usage))
 
     async def _chunks(
         self,
@@ -313,7 +307,7 @@ class CompletionsHandler:
         for i, echo in enumerate(echoes):
             if echo:
                 yield chunk(i, echo)
-        totals = Usage()
+        usages: list[Usage] = []
         async for index, event in _merged(runs):
             if isinstance(event, GenerationDelta):
                 if event.text or event.reasoning_text or (logprobs and event.logprobs):
@@ -325,15 +319,9 @@ class CompletionsHandler:
                 yield SSE_DONE
                 return
             yield chunk(index, "", event.finish_reason)
-            u = event.usage
-            totals = Usage(
-                totals.prompt_tokens + u.prompt_tokens,
-                totals.completion_tokens + u.completion_tokens,
-                totals.reused_prefix_tokens + u.reused_prefix_tokens,
-            )
+            usages.append(event.usage)
         if include_usage:
-            usage = usage_dict(totals.prompt_tokens, totals.completion_tokens, totals.reused_prefix_tokens)
-            yield sse({**base, "choices": [], "usage": usage})
+            yield sse({**base, "choices": [], "usage": usage_out(sum_usage(usages))})
         yield SSE_DONE
 
     # ---- causal_scoring purpose ----
@@ -375,7 +363,7 @@ class CompletionsHandler:
         generated = sum(s.next_token is not None for s in scores)
         self.gateway.metrics.scored_tokens.inc(n_tokens)
         self.gateway.count(ENDPOINT, "length")
-        return JSONBody(self._body(meta, choices, Usage(prompt_tokens=n_tokens, completion_tokens=generated)))
+        return JSONBody(self._body(meta, choices, usage_dict(n_tokens, generated)))
 
     def _check_greedy_token(self, body: CompletionRequest) -> None:
         """The appended token is the argmax of the model's distribution: refuse requests that ask for

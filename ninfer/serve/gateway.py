@@ -30,7 +30,16 @@ from ninfer.types import (
 )
 
 COUNTED_ENDPOINTS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/reset_prefix_cache",
+        "/flush_cache",
+    }
 )
 
 

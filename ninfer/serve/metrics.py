@@ -4,18 +4,27 @@ What the gateway can observe truthfully from the public Engine: a request is *qu
 submit until its ``GenerationStart`` (admission committed its lane), *active* from then until its terminal
 result (published after the Engine released the lane), and its usage comes from the result. So
 ``ninfer_queue_depth`` and ``ninfer_active_lanes`` count this gateway's requests in those two phases.
+
+The context cache's metrics are the Engine's own counters (``Engine.cache_stats()``), read at each
+scrape by `EngineCacheCollector`, never counted a second time here. Speculative decoding's come from
+each finished request's ``Usage`` (the Engine keeps no server-wide total); every verify round proposes
+K drafts per row, so the rounds are the drafts / K.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
-from ninfer.types import Usage
+from ninfer.runtime.engine.context_cache import CacheStats
+from ninfer.types import Usage, parse_speculative
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -28,7 +37,7 @@ class ServeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, engine_view: Callable[[], EngineView | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -46,12 +55,7 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter("ninfer_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("ninfer_generation_tokens", "Generated tokens", registry=r)
-        self.prefix_hit_tokens = Counter(
-            "ninfer_prefix_cache_hit_tokens", "Prompt tokens served from a cached prefix", registry=r
-        )
-        self.prefix_queries = Counter(
-            "ninfer_prefix_cache_queries", "Admitted requests by prefix-cache result", ["result"], registry=r
-        )
+        self.speculative = SpeculativeTotals()
         self.scored_tokens = Counter("ninfer_scored_tokens", "Tokens scored (causal_scoring)", registry=r)
         self.ttft = Histogram(
             "ninfer_time_to_first_token_seconds",
@@ -72,6 +76,7 @@ class ServeMetrics:
             registry=r,
         )
         self.engine_ready = Gauge("ninfer_engine_ready", "1 while the Engine is available", registry=r)
+        r.register(EngineCacheCollector(engine_view or (lambda: None), self.speculative))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -109,9 +114,6 @@ class RequestTracker:
             self._m.queue_depth.dec()
             self._m.active_lanes.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
-        self._m.prefix_queries.labels("hit" if reused_prefix_tokens else "miss").inc()
-        if reused_prefix_tokens:
-            self._m.prefix_hit_tokens.inc(reused_prefix_tokens)
 
     def tokens(self, n: int) -> None:
         if n and self.first_token_at is None:
@@ -131,7 +133,103 @@ class RequestTracker:
         elif phase == "active":
             self._m.active_lanes.dec()
         now = time.monotonic()
+        if usage is not None and usage.drafted_tokens:
+            self._m.speculative.add(usage.drafted_tokens, usage.accepted_draft_tokens)
         self._m.requests.labels(self._endpoint, outcome).inc()
         self._m.e2e.observe(now - self.arrival)
         if usage is not None and self.first_token_at is not None and usage.completion_tokens > 1:
             self._m.tpot.observe((now - self.first_token_at) / (usage.completion_tokens - 1))
+
+
+class SpeculativeTotals:
+    """Drafted and accepted tokens of every finished request (thread-safe: handlers and drains add)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.drafted = 0
+        self.accepted = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
+
+    def read(self) -> tuple[int, int]:
+        with self._lock:
+            return self.drafted, self.accepted
+
+
+class EngineView:
+    """What the collector reads from the loaded Engine: its cache counters and its draft depth K."""
+
+    def __init__(self, cache_stats: Callable[[], CacheStats], speculative: str | None) -> None:
+        self.cache_stats = cache_stats
+        spec = parse_speculative(speculative)
+        self.draft_tokens = spec.draft_tokens if spec is not None else 0
+
+
+class EngineCacheCollector(Collector):
+    """The context cache's counters from ``Engine.cache_stats()`` and the speculative totals, at each
+    scrape (zeros while no generation Engine is loaded)."""
+
+    def __init__(self, engine_view: Callable[[], EngineView | None], speculative: SpeculativeTotals) -> None:
+        self._view = engine_view
+        self._speculative = speculative
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        stats = view.cache_stats() if view is not None else CacheStats()
+        yield GaugeMetricFamily(
+            "ninfer_prefix_cache_enabled",
+            "1 when the Engine runs the context cache",
+            value=int(stats.enabled),
+        )
+        for name, value, text in (
+            (
+                "queries",
+                stats.queries,
+                "Admissions that looked for a cached prefix (each request with the cache on, once)",
+            ),
+            ("hits", stats.hits, "Admissions that continued a cached checkpoint"),
+            ("hit_tokens", stats.hit_tokens, "Prompt tokens served from checkpoints, not prefilled"),
+            ("captures", stats.captures, "Checkpoints captured inside prompts"),
+            ("retains", stats.retains, "Finished turns kept as checkpoints"),
+            ("evictions", stats.evictions, "Checkpoints dropped (memory pressure or a reset)"),
+        ):
+            yield CounterMetricFamily(f"ninfer_prefix_cache_{name}", text, value=value)
+        checkpoints = GaugeMetricFamily(
+            "ninfer_prefix_cache_checkpoints", "Checkpoints the Engine holds", labels=["tier"]
+        )
+        checkpoints.add_metric(["device"], stats.checkpoints)
+        yield checkpoints
+        nbytes = GaugeMetricFamily(
+            "ninfer_prefix_cache_checkpoint_bytes",
+            "Bytes held by checkpoints alone (pages shared with running requests not counted)",
+            labels=["tier"],
+        )
+        nbytes.add_metric(["device"], stats.checkpoint_bytes)
+        yield nbytes
+        yield GaugeMetricFamily(
+            "ninfer_prefix_cache_sessions",
+            "Sessions (X-Session-Id) bound to a continuation",
+            value=stats.sessions,
+        )
+        drafted, accepted = self._speculative.read()
+        k = view.draft_tokens if view is not None else 0
+        rounds = drafted // k if k else 0
+        yield CounterMetricFamily(
+            "ninfer_spec_decode_draft_tokens",
+            "Speculative draft tokens proposed (finished requests)",
+            value=drafted,
+        )
+        yield CounterMetricFamily(
+            "ninfer_spec_decode_accepted_tokens", "Draft tokens the verify accepted and kept", value=accepted
+        )
+        yield CounterMetricFamily(
+            "ninfer_spec_decode_verify_rounds", "Verify rounds of one request row (drafts / K)", value=rounds
+        )
+        yield GaugeMetricFamily(
+            "ninfer_spec_decode_mean_accepted_length",
+            "Tokens a request row gains per verify round, 1 + accepted / rounds (0 before any round)",
+            value=1 + accepted / rounds if rounds else 0.0,
+        )

@@ -240,6 +240,7 @@ class UsageOut(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class FunctionCallOut(BaseModel):
@@ -385,6 +386,12 @@ class TokenizerInfo(BaseModel):
     chat_template: str
     model_max_length: int | None
     vocab_size: int
+
+
+class PrefixCacheReset(BaseModel):
+    object: Literal["prefix_cache.reset"] = "prefix_cache.reset"
+    dropped: int
+    checkpoints: int
 
 
 class ReadyResponse(BaseModel):
