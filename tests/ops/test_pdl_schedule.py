@@ -275,3 +275,37 @@ def test_early_kv_loads_at_three_tokens_per_row_race_the_prologue(
     with pytest.raises(PdlScheduleError, match="_qk_norm_rope_kv_write_kernel` \\(1 launch back\\)") as e:
         _record_forward(fast, "qwen3_6_tiny", 1, 3)
     assert e.value.read.name == "k_pages" and e.value.read.positions is KvPositions.ALL_BUT_NEWEST
+
+
+def _record_mtp(fast: ModuleType, package: str, rows: int, tokens: int) -> schedule.Schedule:
+    """The MTP block over a uniform step (the draft chain at T = 1, the verify's MTP pass at T > 1),
+    recorded: its layer's norms read the stream early only where a norm wrote it, never the fc
+    projection's output one launch back."""
+    from ninfer.targets.qwen3_6.binder import random_model_view
+    from ninfer.targets.qwen3_6.model import StateStore, mtp_forward
+    from ninfer.targets.registry import get_package
+
+    variant = dataclasses.replace(get_package(package).variant, vocab_size=512, num_layers=4)
+    assert variant.mtp_num_hidden_layers
+    view = random_model_view(variant, seed=0, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kernels = fast.fast_kernels()
+    device = torch.device("cpu")
+    batch = uniform_step(rows, tokens, CONTEXT, PAGE_SIZE, device)
+    pages = rows * -(-CONTEXT // PAGE_SIZE)
+    layers = variant.mtp_num_hidden_layers
+    store = StateStore.allocate_kv(variant, layers, pages, PAGE_SIZE, torch.float32, device)
+    hidden = torch.randn(rows * tokens, variant.hidden_size)
+    with torch.inference_mode(), checked_schedule(tokens_per_row=tokens) as recorded:
+        mtp_forward(view, variant, batch.token_ids, hidden, batch, store, kernels)
+    return recorded
+
+
+@pytest.mark.parametrize(("rows", "tokens"), [(1, 1), (3, 1), (2, 4)])
+@pytest.mark.parametrize("package", ["qwen3_6_tiny", "qwen3_6_tiny_moe"])
+def test_the_fast_mtp_block_passes_the_schedule_check(
+    fast: ModuleType, package: str, rows: int, tokens: int
+) -> None:
+    recorded = _record_mtp(fast, package, rows, tokens)  # raises PdlScheduleError on a race
+    assert any("_paged_decode_kernel" in launch.kernel for launch in recorded.launches)
