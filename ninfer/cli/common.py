@@ -151,7 +151,7 @@ def speculative_problem(artifact_path: str, speculative: str | None) -> str | No
             package = check_identity(artifact)
     except (ArtifactError, OSError, ValueError):
         return None
-    if not getattr(package.variant, "mtp_num_hidden_layers", 0):
+    if not package.has_mtp:
         return (
             f"--speculative {speculative}: package {package.name!r} has no MTP layer (no multi-token "
             "prediction weights to draft with); drop --speculative"

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         )
     app = create_app(
         lambda: Engine(args.artifact, config),
-        serve_config(args, package.name, vision=package.variant.vision is not None),
+        serve_config(args, package.name, vision=package.has_vision),
         frontend=frontend,
     )
     serve_forever(app, args.host, args.port, log_level=args.log_level)

@@ -32,6 +32,16 @@ class Package:
     def identity(self, storage_profile: str) -> dict[str, str]:
         return {"family": self.family, "package": self.name, "storage_profile": storage_profile}
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the package binds an image tower (requests may carry images)."""
+        return self.variant.vision is not None
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the package binds a multi-token-prediction head (``speculative="mtp:K"`` can draft)."""
+        return bool(self.variant.mtp_num_hidden_layers)
+
     def summary_lines(self) -> list[str]:
         """The package's architecture in words (the family's summary of its dims)."""
         return self.variant.summary_lines()
