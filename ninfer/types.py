@@ -382,6 +382,9 @@ class Usage:
     reused_prefix_tokens: int = 0  # prompt tokens served from a cached checkpoint (not recomputed)
     drafted_tokens: int = 0  # speculative decoding: draft tokens proposed for the request
     accepted_draft_tokens: int = 0  # of them, those the verify accepted and the request kept
+    draft_rounds: int = 0  # verify rounds that carried drafts for the request
+    # per draft position (1st, 2nd, ...): the rounds whose draft there was kept (a round keeps a prefix)
+    accepted_by_position: tuple[int, ...] = ()
 
     @property
     def total_tokens(self) -> int:
