@@ -12,9 +12,9 @@ noise bits. (The float transform ``-log(-log(u))`` may differ by an ulp between 
 a draw only when two candidates tie to within one float32 ulp.)
 
 Order of operations in `sample`: penalties -> logit bias (when given) -> greedy rows take the argmax ->
-temperature -> top-k -> top-p -> min-p -> Gumbel-max. All per-row work is tensor ops with no host sync and no branching on
-device data, so a decode step that calls `sample` can be captured in a CUDA graph. The only branches
-are on host-side facts fixed when the `SamplingBatch` is built (`candidates`, `all_greedy`).
+temperature -> top-k -> top-p -> min-p -> Gumbel-max. All per-row work is tensor ops with no host sync
+and no branching on device data, so a decode step that calls `sample` can be captured in a CUDA graph.
+The only branches are on host-side facts fixed when the `SamplingBatch` is built (`candidates`, `all_greedy`).
 
 Filter semantics (value thresholds, so ties never depend on sort order or device):
 - top-k keeps tokens whose value is >= the k-th largest value (ties at the boundary are kept);

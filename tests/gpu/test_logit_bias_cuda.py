@@ -50,7 +50,9 @@ def test_bias_on_graphs(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert len(calls) == len(PROMPTS) and not any(calls)  # graph argmax: the sampler only at prefill
         calls.clear()
         biased = [_plain(p, 128) for p in PROMPTS[:3]]
-        biased.append(GenerationRequest(prompt=PROMPTS[3], max_tokens=128, temperature=0.0, logit_bias={7: 100}))
+        biased.append(
+            GenerationRequest(prompt=PROMPTS[3], max_tokens=128, temperature=0.0, logit_bias={7: 100})
+        )
         mixed, mixed_s = _timed(engine, biased)
         monkeypatch.undo()
     assert [p[:24] for p in plain] == alone

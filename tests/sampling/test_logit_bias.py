@@ -90,12 +90,18 @@ def test_engine_bias_ban_and_force(demo: Engine, temperature: float) -> None:
     banned = set(base.token_ids[:3])
     out = demo.generate(
         GenerationRequest(
-            prompt=PROMPT, max_tokens=16, temperature=temperature, seed=4, logit_bias={t: -100 for t in banned}
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=temperature,
+            seed=4,
+            logit_bias={t: -100 for t in banned},
         )
     )
     assert len(out.token_ids) == 16 and not banned & set(out.token_ids)
     forced = demo.generate(
-        GenerationRequest(prompt=PROMPT, max_tokens=12, temperature=temperature, seed=4, logit_bias={258: 100})
+        GenerationRequest(
+            prompt=PROMPT, max_tokens=12, temperature=temperature, seed=4, logit_bias={258: 100}
+        )
     )
     assert forced.token_ids == (258,) * 12
 
@@ -115,7 +121,9 @@ def test_engine_bias_rows_share_a_batch(demo: Engine) -> None:
 
 def test_engine_min_tokens(demo: Engine) -> None:
     eos = demo.frontend.eos_token_ids[0]
-    stop_now = demo.generate(GenerationRequest(prompt=PROMPT, max_tokens=12, temperature=0, logit_bias={eos: 100}))
+    stop_now = demo.generate(
+        GenerationRequest(prompt=PROMPT, max_tokens=12, temperature=0, logit_bias={eos: 100})
+    )
     assert stop_now.token_ids == (eos,) and stop_now.finish_reason == "stop"
     held = demo.generate(
         GenerationRequest(prompt=PROMPT, max_tokens=12, temperature=0, logit_bias={eos: 100}, min_tokens=5)
@@ -126,7 +134,12 @@ def test_engine_min_tokens(demo: Engine) -> None:
     stop = 258
     out = demo.generate(
         GenerationRequest(
-            prompt=PROMPT, max_tokens=12, temperature=0, logit_bias={stop: 100}, stop_token_ids=(stop,), min_tokens=3
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            logit_bias={stop: 100},
+            stop_token_ids=(stop,),
+            min_tokens=3,
         )
     )
     assert len(out.token_ids) == 4 and stop not in out.token_ids[:3]

@@ -218,16 +218,17 @@ class Sampler:
         if self.device.type == "cuda":
             draft_ids = draft_ids.pin_memory()
         draft_ids = draft_ids.to(self.device, non_blocking=True)
+        first = fields.context_lens - (tokens_per_row - 1)  # each row's first produced position: frontier + 1
         result = verify_drafts(
             run.logits,
             draft_ids.view(len(seqs), tokens_per_row - 1),
             batch,
-            fields.context_lens - (tokens_per_row - 1),  # each row's first produced position: frontier + 1
+            first,
             prompt_mask=self.prompt_mask[index] if penalised else None,
             output_counts=self.output_counts[index] if penalised else None,
             num_logprobs=top_n,
             with_logprob=want_logprobs,
-            logit_bias=self.logit_bias(seqs, index, fields.context_lens - (tokens_per_row - 1), tokens_per_row),
+            logit_bias=self.logit_bias(seqs, index, first, tokens_per_row),
         )
 
         def host(t: torch.Tensor) -> torch.Tensor:
