@@ -124,6 +124,12 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
             lines.append(f"the body is not valid JSON ({detail}); send a JSON object")
             continue
         first = first or where
+        if err.get("type") == "extra_forbidden":  # a closed list: a field NInfer does not take is refused
+            lines.append(
+                f"{where}: unknown field; this endpoint does not take it (docs/cli-and-http.md lists the "
+                "fields it takes); remove it"
+            )
+            continue
         lines.append(f"{where}: {err.get('msg', 'invalid value')}")
     if len(errors) > 8:
         lines.append(f"... and {len(errors) - 8} more problems")
