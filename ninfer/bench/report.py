@@ -82,7 +82,7 @@ class BenchReport:
     matmul_n: int
     matmul_dtype: str
     startup_s: dict[str, float]  # phase -> seconds; "total" last
-    load: str | None  # the weight loader's report (artifacts only)
+    load: Any  # the weight loader's LoadReport (artifacts only): prose in the table, numbers in JSON
     decode: tuple[DecodeRow, ...]
     prefill: PrefillRow
     ttft: LatencyRow
@@ -110,7 +110,7 @@ class BenchReport:
             matmul_n=self.matmul_n,
             matmul_dtype=self.matmul_dtype,
             startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
-            load=self.load,
+            load=load_json(self.load),
             decode=[
                 {
                     "batch": r.batch,
@@ -168,7 +168,7 @@ class RunHeader:
     matmul_n: int
     matmul_dtype: str
     startup_s: dict[str, float]  # phase -> seconds; "total" last
-    load: str | None
+    load: Any  # LoadReport | None
 
     def to_json(self) -> dict[str, Any]:
         """The same leading fields, names and rounding as `BenchReport.to_json`."""
@@ -188,7 +188,7 @@ class RunHeader:
             matmul_n=self.matmul_n,
             matmul_dtype=self.matmul_dtype,
             startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
-            load=self.load,
+            load=load_json(self.load),
         )
         return out
 
@@ -273,3 +273,18 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return f"{commit}-dirty" if dirty.returncode == 1 else commit
+
+
+def load_json(load: Any) -> dict[str, Any] | None:
+    """The weight load's figures (``artifact.loader.LoadReport``) as numbers; GB are 10^9 bytes."""
+    if load is None:
+        return None
+    return {
+        "bytes": load.nbytes,
+        "seconds": round(load.seconds, 4),
+        "GBps": round(load.gb_per_s, 3),
+        "tensors": load.num_tensors,
+        "staging_fills": load.num_batches,
+        "device": load.device,
+        "zero_copy": load.zero_copy,
+    }

@@ -284,6 +284,7 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    request_id: str | None = None  # the answer's X-Request-Id
 
 
 class ErrorResponse(BaseModel):
@@ -452,3 +453,7 @@ class PrefixCacheReset(BaseModel):
 class ReadyResponse(BaseModel):
     status: str
     reason: str | None = None
+
+
+class VersionInfo(BaseModel):
+    version: str
