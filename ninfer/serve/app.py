@@ -35,7 +35,8 @@ from ninfer.serve.gateway import Gateway, ServeConfig
 from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
 from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyGuardMiddleware, RequestLimits, parse_json_body
 from ninfer.serve.metrics import EngineView, ServeMetrics
-from ninfer.serve.observability import REQUEST_ID_HEADER, LoadLog, RequestIdMiddleware
+from ninfer.serve.metrics_vllm import VllmAliases
+from ninfer.serve.observability import REQUEST_ID_HEADER, LoadLog, RequestIdMiddleware, kv_used
 from ninfer.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -209,6 +210,9 @@ def create_app(
         return out
 
     load_log = LoadLog(host, gateway.metrics, describe, interval_s=config.log_interval_s)
+    gateway.metrics.registry.register(
+        VllmAliases(gateway.metrics, config.model_name, lambda: kv_used(host.loaded))
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -80,7 +80,8 @@ class ServeMetrics:
             registry=r,
         )
         self.engine_ready = Gauge("ninfer_engine_ready", "1 while the Engine is available", registry=r)
-        r.register(EngineCacheCollector(engine_view or (lambda: None), self.speculative))
+        self.engine_cache = EngineCacheCollector(engine_view or (lambda: None), self.speculative)
+        r.register(self.engine_cache)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
