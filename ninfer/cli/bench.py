@@ -15,7 +15,14 @@ import argparse
 import json
 import sys
 
-from ninfer.cli.common import add_kernels_flag, add_lookahead_flag, decode_lookahead, fail, split_artifact
+from ninfer.cli.common import (
+    add_kernels_flag,
+    add_lookahead_flag,
+    decode_lookahead,
+    fail,
+    positive_int,
+    split_artifact,
+)
 from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
@@ -34,16 +41,6 @@ def batch_list(text: str) -> tuple[int, ...]:
     if not values or not all(1 <= v <= MAX_CONCURRENCY_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"batch sizes must be 1..{MAX_CONCURRENCY_LIMIT}, got {text!r}")
     return tuple(values)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def nonnegative_float(text: str) -> float:
