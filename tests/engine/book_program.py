@@ -24,7 +24,8 @@ sequence), committed by slot selection. Its tokens are plain decoding's, whateve
 
 Fault switches (``faults={"capture": 2}``: the second call of ``capture`` raises `ScriptedFault`; a
 ``name:after`` key raises after the call changed the book) and ``hooks`` (``hooks["capture"] = f``,
-called with the Program and the call's argument at entry) let tests act "while the unit runs".
+called with the Program and the call's argument at entry; ``hooks["start:after"]`` with its result)
+let tests act "while the unit runs".
 """
 
 from __future__ import annotations
@@ -269,7 +270,10 @@ class BookProgram:
         if self.faults.get(name) == n:
             raise ScriptedFault(f"injected fault in {name} (call {n})")
 
-    def _after(self, name: str) -> None:
+    def _after(self, name: str, value: Any = None) -> None:
+        hook = self.hooks.get(f"{name}:after")
+        if hook is not None:
+            hook(self, value)
         if self.faults.get(f"{name}:after") == self.calls.get(name):
             raise ScriptedFault(f"injected fault after {name} changed the book (call {self.calls[name]})")
 
@@ -351,7 +355,7 @@ class BookProgram:
         # that changed meanwhile shows
         self._pending_copies = copies
         self.polls_left = self.materialize_polls
-        self._after("start")
+        self._after("start", txn)
         return txn
 
     def poll(self, txn: RunningTransaction) -> bool:

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from book_program import BookProgram
 from cache_frontend import CacheFrontend, assistant_message
+from hypothesis import HealthCheck, settings
 from hypothesis import event as _event
 from hypothesis.control import currently_in_test_context
 
@@ -59,6 +61,16 @@ DOCUMENT = bytes((ord("a") + (i * 7 + i // 5) % 26) for i in range(160))
 CANCEL_POINTS = (
     "now", "start", "start_src", "poll", "finish", "prefill", "capture", "decode", "decode_b2", "force", "retain",
 )
+
+
+def property_settings(examples: int = 200) -> settings:
+    """The suites' settings: ``examples`` derandomized examples (deterministic CI), or, with
+    ``NINFER_PROPERTY_HUNT=N`` in the environment, N random ones (a local bug hunt)."""
+    hunt = int(os.environ.get("NINFER_PROPERTY_HUNT", "0"))
+    return settings(
+        max_examples=hunt or examples, deadline=None, derandomize=not hunt, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 def event(label: str) -> None:

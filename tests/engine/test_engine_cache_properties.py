@@ -14,8 +14,8 @@ boundary, `Harness.finish` those checked after the drain.
 
 from __future__ import annotations
 
-from cache_harness import CANCEL_POINTS, cold_tokens, make_harness, run_actions
-from hypothesis import HealthCheck, given, note, settings
+from cache_harness import CANCEL_POINTS, cold_tokens, make_harness, property_settings, run_actions
+from hypothesis import given, note
 from hypothesis import strategies as st
 
 seed = st.integers(0, 2**16)
@@ -34,12 +34,7 @@ action = st.one_of(
     st.tuples(st.just("reset")),
 )
 
-SETTINGS = settings(
-    max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-@SETTINGS
+@property_settings(200)
 @given(
     mc=st.integers(1, 4),
     page_size=st.sampled_from([4, 8]),
