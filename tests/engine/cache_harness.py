@@ -475,6 +475,11 @@ def run_actions(h: Harness, actions: list[tuple]) -> None:
                 h.follow(act[1], act[2] + 1, 1 + act[3] // 2, act[4] + 1)
         elif kind == "document":
             h.document(*act[1:])
+        elif kind == "burst":  # several requests at once, long enough to share decode rounds
+            for j in range(act[1]):
+                prompt = [ord("a") + (act[2] + 3 * j + i) % 26 for i in range(4 + (act[2] >> j) % 24)]
+                h.submit(GenerationRequest(prompt=prompt, max_tokens=8 + (act[2] >> (2 * j)) % 24,
+                                           seed=act[2] + j, ignore_eos=True))
         elif kind == "step":
             for _ in range(act[1]):
                 h.step()

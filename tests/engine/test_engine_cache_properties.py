@@ -31,6 +31,7 @@ step = st.tuples(st.just("step"), st.integers(1, 24))
 cancel = st.tuples(st.just("cancel"), st.sampled_from(CANCEL_POINTS), st.integers(0, 40))
 action = st.one_of(
     chat, chat, follow, follow, follow, race, document, step, step, step, step, cancel,
+    st.tuples(st.just("burst"), st.integers(2, 4), seed),
     st.tuples(st.just("reset")),
 )
 
