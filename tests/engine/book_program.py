@@ -599,7 +599,8 @@ class BookProgram:
                 seq.generated.extend(row.tokens[:accepted])
                 if pending.kind != "force":
                     seq.rng_draws += accepted
-            if seq.state_valid and self.slot_data.get(seq.current, State()).tokens != seq.tokens[: seq.frontier]:
+            state = self.slot_data.get(seq.current, State())
+            if seq.state_valid and state.tokens != seq.tokens[: seq.frontier]:
                 self.violations.append(f"{seq.handle}: commit selected a slot of another state")
 
     def abort_pending(self, pending: PendingBatch) -> None:

@@ -59,7 +59,8 @@ SYSTEMS = (
 DOCUMENT = bytes((ord("a") + (i * 7 + i // 5) % 26) for i in range(160))
 # the Program calls a cancellation can be armed for: the request the call concerns is cancelled inside it
 CANCEL_POINTS = (
-    "now", "start", "start_src", "poll", "finish", "prefill", "capture", "decode", "decode_b2", "force", "retain",
+    "now", "start", "start_src", "poll", "finish", "prefill", "capture", "decode", "decode_b2", "force",
+    "retain",
 )
 
 
@@ -128,6 +129,9 @@ class Harness:
         p.hooks["plan_materialization"] = self._on_plan
         p.hooks["start"] = self._on_start
         p.hooks["finish"] = self._on_finish
+        p.hooks["abort"] = lambda _p, txn: event(
+            "aborted a materialization from " + ("a source" if txn.plan.source_checkpoint else "the root")
+        )
         p.hooks["poll"] = lambda _p, txn: self._fire("poll", self._txn_serial(txn))
         p.hooks["prefill"] = lambda _p, h: self._fire("prefill", self._handle_serial(h))
         p.hooks["capture"] = self._on_capture
@@ -176,6 +180,7 @@ class Harness:
         self.started.append(serial)
         self._fire("start", serial)
         if plan.source_checkpoint is not None:
+            event(f"materialization from a source (polls={self.program.materialize_polls})")
             self._fire("start_src", serial)
 
     def _on_finish(self, _p: BookProgram, txn: Any) -> None:
@@ -327,7 +332,8 @@ class Harness:
                         f"{publisher.channel.request_id} is live"
                     )
         snap = core.snapshot()
-        staged = [rid for rid, s in snap.states.items() if s in (RequestState.MATERIALIZING, RequestState.PREFILL)]
+        staging = (RequestState.MATERIALIZING, RequestState.PREFILL)
+        staged = [rid for rid, s in snap.states.items() if s in staging]
         assert len(staged) <= 1
         busy = [lane for lane in snap.lanes if lane.state is not LaneState.FREE]
         usage = program.usage()
@@ -398,11 +404,17 @@ class Harness:
 
 
 def chat_request(
-    messages: list[dict[str, Any]], session: str | None, max_tokens: int, seed: int, cache: bool = True, **kw: Any
+    messages: list[dict[str, Any]],
+    session: str | None,
+    max_tokens: int,
+    seed: int,
+    cache: bool = True,
+    **kw: Any,
 ) -> GenerationRequest:
     return GenerationRequest(
-        messages=list(messages), max_tokens=max_tokens, seed=seed, session_id=session, prefix_cache=cache, **kw
-    )
+        messages=list(messages), max_tokens=max_tokens, seed=seed, session_id=session, prefix_cache=cache,
+        **kw,
+    )  # fmt: skip
 
 
 def make_harness(
@@ -440,7 +452,9 @@ def make_harness(
 
 @functools.cache
 def _cold_engine() -> Engine:
-    program = BookProgram(max_concurrency=1, max_context=MAX_CONTEXT, checkpoint_slots=0, eos_period=EOS_PERIOD)
+    program = BookProgram(
+        max_concurrency=1, max_context=MAX_CONTEXT, checkpoint_slots=0, eos_period=EOS_PERIOD
+    )
     config = EngineConfig(max_concurrency=1, prefill_chunk_tokens=64, page_size=program.page_size,
                           warmup=False, prefix_cache=False)
     return Engine.from_parts(program, CacheFrontend(), config, start_worker=False)
@@ -473,6 +487,19 @@ def run_actions(h: Harness, actions: list[tuple]) -> None:
         elif kind == "race":  # two turns of one session in flight at once
             if h.follow(act[1], act[2], act[3], act[4]):
                 h.follow(act[1], act[2] + 1, 1 + act[3] // 2, act[4] + 1)
+        elif kind == "session_race":  # a turn, then two next turns of its session in flight at once
+            _, system, topic, seed = act
+            h.chat(system, topic, 10, seed)
+            entry = h.submitted[-1]
+            for _ in range(80):
+                if entry.channel.response_done:
+                    break
+                h.step()
+            done = [e for e in h.submitted if e.messages is not None and e.channel.response_done]
+            if entry in done:
+                i = done.index(entry)
+                if h.follow(i, topic + 1, 12, seed + 1):
+                    h.follow(i, topic + 2, 1 + seed % 6, seed + 2)
         elif kind == "document":
             h.document(*act[1:])
         elif kind == "burst":  # several requests at once, long enough to share decode rounds

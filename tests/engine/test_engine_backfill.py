@@ -29,13 +29,15 @@ from ninfer import GenerationRequest
 from ninfer.runtime.contract.types import RequestPlan, ResourcePlan, SequenceHandle
 from ninfer.runtime.engine.request_record import RequestState
 
+Proof = tuple[RequestPlan, tuple[SequenceHandle, ...], RequestPlan, ResourcePlan | None]
+
 
 class BackfillWatch:
     """The backfill checks of the module docstring, installed on a harness."""
 
     def __init__(self, h: Harness) -> None:
         self.h = h
-        self.proofs: list[tuple[RequestPlan, tuple[SequenceHandle, ...], RequestPlan, ResourcePlan | None]] = []
+        self.proofs: list[Proof] = []
         self.borrowers: list[int] = []  # serials admitted past a blocked head
         self.heads_entered: list[int] = []  # serials of protected heads admitted once their donors ended
         program = h.program

@@ -23,6 +23,8 @@ the open transaction before it releases any sequence, and every active resource 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from cache_frontend import CacheFrontend
 from cache_harness import SYSTEMS, Harness, chat_request, cold_tokens, make_harness, run_actions
@@ -128,13 +130,15 @@ def test_stale_plan_at_start_is_replanned_not_a_failure() -> None:
         h.fail_ok = fails
         left = [bumps]
 
-        def stale(program: object, plan: object, left: list[int] = left) -> None:
-            if left[0] and plan.source_checkpoint is not None:  # type: ignore[attr-defined]
-                left[0] -= 1
-                h.program.book.revision += 1  # the plan is now stale: start raises StalePlan
-
         previous = h.program.hooks["start"]
-        h.program.hooks["start"] = lambda p, plan: (previous(p, plan), stale(p, plan))
+
+        def stale(program: Any, plan: Any, left: list[int] = left, previous: Any = previous) -> None:
+            previous(program, plan)
+            if left[0] and plan.source_checkpoint is not None:
+                left[0] -= 1
+                program.book.revision += 1  # the plan is now stale: start raises StalePlan
+
+        h.program.hooks["start"] = stale
         run_actions(h, SCENARIO[:3])
         settle(h)
         assert h.core.failed == fails
@@ -159,7 +163,9 @@ OUTPUT_FAULTS = [
 
 
 @pytest.mark.parametrize(("fail", "reason"), OUTPUT_FAULTS, ids=[next(iter(f)) for f, _ in OUTPUT_FAULTS])
-def test_an_output_fault_fails_only_its_request_and_the_pools_return(fail: dict[str, int], reason: str) -> None:
+def test_an_output_fault_fails_only_its_request_and_the_pools_return(
+    fail: dict[str, int], reason: str
+) -> None:
     frontend = CacheFrontend(fail={"BOOM": fail})
     h = harness(frontend=frontend)
     run_actions(h, SCENARIO[:2])  # a finished turn retained, its preamble captured

@@ -96,8 +96,11 @@ action = st.one_of(
     st.tuples(st.just("step"), st.integers(1, 24)),
     st.tuples(st.just("step"), st.integers(1, 24)),
     st.tuples(st.just("burst"), st.integers(2, 4), seed),
-    st.tuples(st.just("cancel"), st.sampled_from(["decode", "decode_b2", "decode_b2", "force", *CANCEL_POINTS]),
-              st.integers(0, 40)),
+    st.tuples(
+        st.just("cancel"),
+        st.sampled_from(["decode", "decode_b2", "decode_b2", "force", *CANCEL_POINTS]),
+        st.integers(0, 40),
+    ),
 )
 
 
