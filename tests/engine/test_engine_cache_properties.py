@@ -14,7 +14,6 @@ boundary, `Harness.finish` those checked after the drain.
 
 from __future__ import annotations
 
-import pytest
 from cache_harness import CANCEL_POINTS, cold_tokens, make_harness, property_settings, run_actions
 from hypothesis import given, note
 from hypothesis import strategies as st
@@ -68,13 +67,6 @@ def test_cache_invariants_hold_for_random_scenarios(
     h.finish(cold_tokens)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (ninfer/runtime/engine/ingress.py, Ingress.take): take() hands back the pending cache "
-    "resets completed with 0 (the lines copied from Ingress.fail, 'nothing is cached once the Engine "
-    "failed'), so a reset asked for while a submission waits for the same worker boundary is reported "
-    "done and never carried out: every checkpoint stays",
-)
 def test_a_reset_asked_for_with_a_submission_in_the_same_boundary_is_carried_out() -> None:
     # the shrunk case: one finished turn (checkpoints held), then reset + submit before the next boundary
     h = make_harness(mc=1, page_size=4, kv_pages=None, checkpoint_slots=2, polls=0, chunk=16,
