@@ -135,6 +135,7 @@ class ResourceBook:
             kv_pages=self.pages.size,
             page_size=self.page_size,
             max_context=self.max_context,
+            kv_page_bytes=self.page_bytes,
         )
 
     def usage(self, frontiers: Iterable[int], open_pending: bool) -> ResourceUsage:
@@ -177,9 +178,14 @@ class ResourceBook:
             )
         pages = self.positions_pages(request)
         if pages > self.pages.size:
+            extra = f" + {self.extra_tokens} speculative" if self.extra_tokens else ""
+            size = f" ({pages * self.page_bytes / 2**30:.2f} GiB)" if self.page_bytes else ""
+            pool = f" ({self.pages.size * self.page_bytes / 2**30:.2f} GiB)" if self.page_bytes else ""
             return Infeasible(
-                f"needs {pages * self.page_size} KV positions, the KV pool holds "
-                f"{self.pages.size * self.page_size}; lower max_tokens"
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_new_tokens})"
+                f"{extra} needs {pages} KV pages of {self.page_size} positions{size}, the whole KV pool "
+                f"holds {self.pages.size} pages ({self.pages.size * self.page_size} positions){pool}; lower "
+                "max_tokens or shorten the prompt (the pool is sized at start: --gpu-memory-fraction)"
             )
         return None
 
