@@ -111,7 +111,8 @@ class MemoryPlan:
         g = GIB
         head = (
             f"KV pool {self.kv_pool_tokens:,} tokens ({self.kv_pool_bytes / g:.1f} GiB), shared by up to "
-            f"{self.max_concurrency} requests and the context cache; max_context {self.max_context:,} "
+            f"{self.max_concurrency} request{'s' * (self.max_concurrency != 1)} and the context cache; "
+            f"max_context {self.max_context:,} "
         )
         reason = {
             "model": "(the model's positions)",

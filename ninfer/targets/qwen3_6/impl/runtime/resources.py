@@ -8,8 +8,9 @@ needs: `Copies`) to the `StateStore` and the block tables.
 
 Sizing (ProgramConfig, docs/resources-and-context-cache.md): ``max_sequences x slots_per_sequence`` state
 slots for active sequences (the current slot of each and the spares its decode backend writes) plus
-``checkpoint_slots``, and the KV pages the Program is given (per lane ``max_context / page_size``, plus
-the context cache's share). The pools are shared: a checkpoint may hold slots and pages an active
+``checkpoint_slots``, and the KV pages the Program is given (its memory plan, `memory.plan_memory`: on
+CUDA what the device memory leaves, on CPU per lane ``max_context / page_size`` plus the context cache's
+share). The pools are shared: a checkpoint may hold slots and pages an active
 request could use, and a materialization that needs them evicts it (inactive checkpoints never cause a
 rejection: `Infeasible` is decided as if none existed). A reservation is complete: every page of
 ``prompt + max_new_tokens + extra_tokens`` positions, where ``extra_tokens`` are the positions a
