@@ -215,3 +215,15 @@ def test_cpu_plan_is_max_context_times_lanes_plus_the_cache_share(name: str) -> 
     given = plan_memory(v, EngineConfig(max_context=1024, prefix_cache=False, device="cpu"),
                         decode_backend(config, False, v), device=CPU, dtype=torch.float32)  # fmt: skip
     assert (given.kv_pages, given.checkpoint_slots, given.context_from) == (1024 // PAGE * 4, 0, "given")
+
+
+def test_a_small_models_pool_is_capped_at_64_requests_at_max_context() -> None:
+    """The tiny packages (the GPU tests' models) would otherwise fill an H200 with millions of pages."""
+    v = PACKAGES["qwen3_6_tiny"].variant
+    config = EngineConfig()
+    plan = plan_memory(v, config, decode_backend(config, True, v), device=CUDA, dtype=torch.bfloat16,
+                       free_bytes=H200_141GB - CUDA_CONTEXT, total_bytes=H200_141GB)  # fmt: skip
+    assert plan.max_context == v.max_position_embeddings == 4096 and plan.context_from == "model"
+    assert plan.capped and plan.kv_pages == 64 * (4096 // PAGE) and plan.requests_at_max_context == 64
+    assert "capped at 64 requests at max_context" in plan.describe()
+    assert not cuda_plan("qwen3_6_35b_a3b", H200_141GB).capped

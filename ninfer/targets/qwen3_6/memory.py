@@ -14,7 +14,8 @@ checkpoints' state slots; the rest is the shared KV page pool. Active requests a
 from the same pool (an inactive checkpoint is evicted when a request needs its pages), and
 ``max_concurrency`` does not split it: a request reserves its complete growth and waits (Blocked) while
 the pool is held by others. ``max_context`` defaults to the model's positions when one request of that
-length fits in the pool, else to the largest that fits (whole pages).
+length fits in the pool, else to the largest that fits (whole pages). The pool holds at most
+``MAX_POOL_CONTEXTS`` requests at ``max_context`` (a bound only small models reach).
 
 CPU: the pool is ``max_context x max_concurrency`` pages plus the context cache's share (at most 1 GiB),
 ``max_context`` defaults to ``min(model, 32768)``: small, fast to allocate, and what the CPU tests use.
@@ -45,6 +46,9 @@ CHECKPOINT_SLOT_SHARE = 0.1
 CPU_CACHE_LIMIT = GIB
 # a default max_context shorter than min(this, the model's positions) is refused instead of taken
 MIN_DEFAULT_CONTEXT = 4096
+# CUDA: the pool holds at most this many requests at max_context (binds only for small models, whose pool
+# would otherwise take the whole device: millions of pages, each free-list update and the zeroing slower)
+MAX_POOL_CONTEXTS = 64
 # working space: activations, sampling and graph pools per 2048 tokens of a prefill unit
 UNIT_WORKING_BYTES = 2 * GIB
 # the vision tower's working memory per image token (4 patches, about 32 KiB each at its widest layer)
@@ -83,6 +87,7 @@ class MemoryPlan:
     total_bytes: int = 0  # CUDA: the device's memory
     held_bytes: int = 0  # CUDA: held before the Program is built: weights, CUDA context, other processes
     gpu_memory_fraction: float | None = None  # CUDA: the share of total_bytes NInfer may hold
+    capped: bool = False  # CUDA: the pool was held to MAX_POOL_CONTEXTS requests at max_context
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -126,10 +131,11 @@ class MemoryPlan:
         )
         if self.device != "cuda":
             return f"{head}{reason}; {slots}; pool sized from max_context x max_concurrency (CPU)"
+        cap = f"; the pool is capped at {MAX_POOL_CONTEXTS} requests at max_context" if self.capped else ""
         return (
             f"{head}{reason}; of {self.total_bytes / g:.1f} GiB x gpu_memory_fraction "
             f"{self.gpu_memory_fraction:.2f} = {self.allowed_bytes / g:.1f} GiB: weights and others "
-            f"{self.held_bytes / g:.1f}, working space {self.working_bytes / g:.1f}, {slots}"
+            f"{self.held_bytes / g:.1f}, working space {self.working_bytes / g:.1f}, {slots}{cap}"
         )
 
 
@@ -271,9 +277,11 @@ def plan_memory(
                 f"{allowed / GIB:.1f} GiB ({fraction:g} of {total_bytes / GIB:.1f} GiB), the weights and "
                 f"others hold {held / GIB:.1f} GiB, the working space takes {working / GIB:.1f} GiB; {flags}"
             )
+    pages = min(pool(context), MAX_POOL_CONTEXTS * need(context))
     return MemoryPlan(
-        device="cuda", max_context=context, context_from=source, kv_pages=pool(context),
+        device="cuda", max_context=context, context_from=source, kv_pages=pages,
         checkpoint_slots=checkpoint_slots, working_bytes=working + attention_workspace(
             variant, config, device, dtype, context, n
-        ), total_bytes=total_bytes, held_bytes=held, gpu_memory_fraction=fraction, **common,
+        ), total_bytes=total_bytes, held_bytes=held, gpu_memory_fraction=fraction,
+        capped=pages < pool(context), **common,
     )  # fmt: skip
