@@ -10,7 +10,9 @@ layers, a GDN state slot's bytes, the working space's rule), not by calling the 
    card, and the refusal names the numbers and the flags;
 3. an explicit max_context beyond the pool (or the model) is refused with the numbers; the checkpoint
    slots follow ``prefix_cache`` / ``cache_memory_gb``;
-4. on CPU the plan is today's: max_context x max_concurrency pages plus the cache's share.
+4. on CPU the plan is today's: max_context x max_concurrency pages plus the cache's share;
+5. a small model's CUDA pool is capped at 64 requests at max_context;
+6. build_program on (a faked) CUDA hands the measured plan to the Program and logs it.
 """
 
 from __future__ import annotations
@@ -227,3 +229,33 @@ def test_a_small_models_pool_is_capped_at_64_requests_at_max_context() -> None:
     assert plan.capped and plan.kv_pages == 64 * (4096 // PAGE) and plan.requests_at_max_context == 64
     assert "capped at 64 requests at max_context" in plan.describe()
     assert not cuda_plan("qwen3_6_35b_a3b", H200_141GB).capped
+
+
+def test_build_program_on_cuda_sizes_the_program_from_the_measured_memory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CUDA wiring with the device faked: build_program measures, plans and hands the plan's pool,
+    context and checkpoint slots to the Program (and logs the plan, a warning when the context is
+    shorter than the model's)."""
+    import ninfer.targets.qwen3_6.impl.runtime.program as program_module
+    import ninfer.targets.qwen3_6.open as family
+
+    v = PACKAGES["qwen3_6_27b"].variant
+    held = weight_bytes(v, False) + CUDA_CONTEXT
+    built: list[object] = []
+    monkeypatch.setattr(family, "device_memory", lambda device: (H100_80GB - held, H100_80GB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (9 * GIB, H100_80GB))
+    monkeypatch.setattr(
+        program_module, "Qwen36Program", lambda variant, view, config, backend: built.append(config)
+    )
+    config = EngineConfig(device="cuda")
+    with caplog.at_level("INFO", logger="ninfer.engine"):
+        family.build_program(v, None, config, None, CUDA, torch.bfloat16)  # type: ignore[arg-type]
+    (program_config,) = built
+    plan = cuda_plan("qwen3_6_27b", H100_80GB)
+    assert program_config.memory == plan  # type: ignore[attr-defined]
+    got = program_config.kv_pages, program_config.max_context, program_config.checkpoint_slots  # type: ignore[attr-defined]
+    assert got == (plan.kv_pages, plan.max_context, plan.checkpoint_slots)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "the model allows more" in warnings[0].getMessage()
+    assert any("9.0 GiB free on the device" in r.getMessage() for r in caplog.records)
