@@ -32,6 +32,7 @@ __all__ = [
     "TokenLogprob",
     "ToolCallDelta",
     "Usage",
+    "default_decode_gap_ms",
     "default_prefill_chunk",
     "resolve_sampling",
 ]
@@ -69,6 +70,14 @@ def default_prefill_chunk(kernels: str) -> int:
     attention materialises fp32 scores of [heads, unit, context] (several GB for an 8192-token unit).
     """
     return 8192 if kernels == "fast" else 2048
+
+
+def default_decode_gap_ms(kernels: str) -> float:
+    """``EngineConfig.max_decode_gap_ms`` when None, by op table: ``fast`` (CUDA) 100 ms, so a decoding
+    stream sees at most about a tenth of a second between two tokens while a long prompt is prefilled
+    (a full 8,192-token chunk takes about 0.7 s on the 27B); ``reference``: 0 (off: chunk sizes that
+    depend on timing would make CPU runs' prefill chunks, and so their float sums, differ run to run)."""
+    return 100.0 if kernels == "fast" else 0.0
 
 
 MAX_DRAFT_TOKENS = 8
@@ -133,6 +142,10 @@ class EngineConfig:
     - ``page_size``: KV positions per page; ``prefill_chunk_tokens``: prompt tokens per prefill unit, so
       a long prompt interleaves with decode rounds; ``None`` takes `default_prefill_chunk` of the op
       table the Program runs.
+    - ``max_decode_gap_ms``: while requests decode, the staged prefill's chunks are sized so that their
+      inter-token gap (one chunk + one decode round, learned from the gaps measured) stays under this
+      many milliseconds; with nothing decoding a chunk is ``prefill_chunk_tokens`` again. ``0`` turns
+      it off; ``None`` takes `default_decode_gap_ms` of the op table (docs/engine.md, "Prefill pacing").
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
     - ``decode_lookahead``: the Program queues the decode after each decode before the Engine has
       committed the first, so the GPU runs it while the worker commits and publishes (SGLang's overlap
@@ -171,6 +184,7 @@ class EngineConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     page_size: int = 64
     prefill_chunk_tokens: int | None = None
+    max_decode_gap_ms: float | None = None
     cuda_graphs: bool = True
     decode_lookahead: bool | None = None
     warmup: bool = True
@@ -214,6 +228,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', got {self.kernels!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_decode_gap_ms is not None and not self.max_decode_gap_ms >= 0:
+            raise ValueError(f"max_decode_gap_ms must be >= 0 (0: off) or None, got {self.max_decode_gap_ms}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.score_window < 2:
@@ -394,6 +410,9 @@ class Usage:
     reused_prefix_tokens: int = 0  # prompt tokens served from a cached checkpoint (not recomputed)
     drafted_tokens: int = 0  # speculative decoding: draft tokens proposed for the request
     accepted_draft_tokens: int = 0  # of them, those the verify accepted and the request kept
+    draft_rounds: int = 0  # verify rounds that carried drafts for the request
+    # per draft position (1st, 2nd, ...): the rounds whose draft there was kept (a round keeps a prefix)
+    accepted_by_position: tuple[int, ...] = ()
 
     @property
     def total_tokens(self) -> int:

@@ -110,7 +110,7 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capture-interval",
-        type=capture_interval,
+        type=positive_int,
         default=None,
         metavar="N",
         help="prompt tokens between two checkpoints inside a long prompt (default 4096)",
@@ -141,13 +141,14 @@ def cache_memory_gb(text: str) -> float:
     return value
 
 
-def capture_interval(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (token counts, repeats, sizes)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
 
 

@@ -7,8 +7,8 @@ result (published after the Engine released the lane), and its usage comes from 
 
 The context cache's metrics are the Engine's own counters (``Engine.cache_stats()``), read at each
 scrape by `EngineCacheCollector`, never counted a second time here. Speculative decoding's come from
-each finished request's ``Usage`` (the Engine keeps no server-wide total); every verify round proposes
-K drafts per row, so the rounds are the drafts / K.
+each finished request's ``Usage`` (the Engine keeps no server-wide total): drafts, kept drafts, verify
+rounds and, per draft position, the rounds that kept the draft there.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class RequestTracker:
             self._m.active_lanes.dec()
         now = time.monotonic()
         if usage is not None and usage.drafted_tokens:
-            self._m.speculative.add(usage.drafted_tokens, usage.accepted_draft_tokens)
+            self._m.speculative.add(usage)
         self._m.requests.labels(self._endpoint, outcome).inc()
         self._m.e2e.observe(now - self.arrival)
         if usage is not None and self.first_token_at is not None and usage.completion_tokens > 1:
@@ -142,21 +142,28 @@ class RequestTracker:
 
 
 class SpeculativeTotals:
-    """Drafted and accepted tokens of every finished request (thread-safe: handlers and drains add)."""
+    """The speculative counts of every finished request's usage (thread-safe: handlers and drains add)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.drafted = 0
         self.accepted = 0
+        self.rounds = 0
+        self.by_position: list[int] = []
 
-    def add(self, drafted: int, accepted: int) -> None:
+    def add(self, usage: Usage) -> None:
         with self._lock:
-            self.drafted += drafted
-            self.accepted += accepted
+            self.drafted += usage.drafted_tokens
+            self.accepted += usage.accepted_draft_tokens
+            self.rounds += usage.draft_rounds
+            for position, kept in enumerate(usage.accepted_by_position):
+                if position == len(self.by_position):
+                    self.by_position.append(0)
+                self.by_position[position] += kept
 
-    def read(self) -> tuple[int, int]:
+    def read(self) -> tuple[int, int, int, tuple[int, ...]]:
         with self._lock:
-            return self.drafted, self.accepted
+            return self.drafted, self.accepted, self.rounds, tuple(self.by_position)
 
 
 class EngineView:
@@ -222,9 +229,8 @@ class EngineCacheCollector(Collector):
             "Positions the shared KV pool holds (active requests and checkpoints), fixed at start",
             value=view.kv_pool_tokens if view is not None else 0,
         )
-        drafted, accepted = self._speculative.read()
+        drafted, accepted, rounds, by_position = self._speculative.read()
         k = view.draft_tokens if view is not None else 0
-        rounds = drafted // k if k else 0
         yield CounterMetricFamily(
             "ninfer_spec_decode_draft_tokens",
             "Speculative draft tokens proposed (finished requests)",
@@ -234,8 +240,17 @@ class EngineCacheCollector(Collector):
             "ninfer_spec_decode_accepted_tokens", "Draft tokens the verify accepted and kept", value=accepted
         )
         yield CounterMetricFamily(
-            "ninfer_spec_decode_verify_rounds", "Verify rounds of one request row (drafts / K)", value=rounds
+            "ninfer_spec_decode_verify_rounds", "Verify rounds with drafts, per request row", value=rounds
         )
+        per_position = CounterMetricFamily(
+            "ninfer_spec_decode_accepted_by_position",
+            "Verify rounds whose draft at this position (1 = the first draft) was kept",
+            labels=["position"],
+        )
+        for position in range(max(k, len(by_position))):
+            kept = by_position[position] if position < len(by_position) else 0
+            per_position.add_metric([str(position + 1)], kept)
+        yield per_position
         yield GaugeMetricFamily(
             "ninfer_spec_decode_mean_accepted_length",
             "Tokens a request row gains per verify round, 1 + accepted / rounds (0 before any round)",

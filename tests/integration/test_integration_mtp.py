@@ -122,9 +122,12 @@ def test_the_demo_head_accepts_and_stays_lossless(k: int, mc: int) -> None:
     assert isinstance(backend, MtpDraft)
     assert backend.accepted > 0.25 * backend.drafted / k  # the trained head's drafts are often right
     for r in got:  # usage: each round kept its accepted drafts and the target's token (the last may be cut)
-        rounds, kept = r.usage.drafted_tokens // k, r.usage.accepted_draft_tokens
+        rounds, kept = r.usage.draft_rounds, r.usage.accepted_draft_tokens
         assert r.usage.drafted_tokens == k * rounds and 0 <= kept <= r.usage.drafted_tokens
         assert rounds - 1 <= r.usage.completion_tokens - 1 - kept <= rounds
+        by_position = r.usage.accepted_by_position  # a round keeps a prefix of its drafts
+        assert sum(by_position) == kept and len(by_position) <= k
+        assert all(a >= b for a, b in zip((rounds, *by_position), by_position))
     assert sum(r.usage.accepted_draft_tokens for r in got) > 0
     assert all(r.usage.drafted_tokens == 0 for r in _demo_plain(40))
 

@@ -131,6 +131,16 @@ def test_mean_accepted_length_is_one_plus_accepted_per_round(servers: dict[str, 
     assert rounds == drafted / K > 0
     assert m["ninfer_spec_decode_mean_accepted_length"] == pytest.approx(1 + accepted / rounds)
     assert 1 <= m["ninfer_spec_decode_mean_accepted_length"] <= K + 1
+    text = httpx.get(servers["mtp"].url + "/metrics").text
+    by_position = {
+        int(s.labels["position"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "ninfer_spec_decode_accepted_by_position_total"
+    }
+    assert sorted(by_position) == list(range(1, K + 1))  # a round keeps a prefix of its drafts
+    assert sum(by_position.values()) == accepted
+    assert all(by_position[p] >= by_position[p + 1] for p in range(1, K)) and by_position[1] <= rounds
     plain = metrics(servers["plain"])
     assert (
         plain["ninfer_spec_decode_draft_tokens_total"] == plain["ninfer_spec_decode_verify_rounds_total"] == 0

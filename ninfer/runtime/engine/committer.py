@@ -132,14 +132,10 @@ class Committer:
         for end in ending:
             if end.preview is not None:  # a cancelled row accepts nothing
                 end.record.generated += end.preview.accepted
-                if end.row.drafted:
-                    end.record.drafted_tokens += end.row.drafted
-                    end.record.accepted_draft_tokens += min(end.row.draft_hits, end.preview.accepted)
+                end.record.count_drafts(end.row.drafted, min(end.row.draft_hits, end.preview.accepted))
         for record, preview, row in continuing:
             record.generated += len(row.tokens)
-            if row.drafted:
-                record.drafted_tokens += row.drafted
-                record.accepted_draft_tokens += row.draft_hits
+            record.count_drafts(row.drafted, row.draft_hits)
             if record.state is RequestState.PREFILL:
                 record.prompt_remaining = 0
                 core.prefill_done(record)

@@ -42,6 +42,7 @@ from ninfer.types import (
     GenerationResult,
     RequestRejected,
     ScoreResult,
+    default_decode_gap_ms,
     default_prefill_chunk,
     resolve_sampling,
     sampling_problems,
@@ -201,9 +202,11 @@ class Engine:
         clock: Callable[[], float] | None,
         start_worker: bool,
     ) -> None:
-        if config.prefill_chunk_tokens is None:  # the default of the op table the Program runs
-            table = getattr(getattr(program, "kernels", None), "name", "reference")
+        table = getattr(getattr(program, "kernels", None), "name", "reference")
+        if config.prefill_chunk_tokens is None:  # the defaults of the op table the Program runs
             config = dataclasses.replace(config, prefill_chunk_tokens=default_prefill_chunk(table))
+        if config.max_decode_gap_ms is None:
+            config = dataclasses.replace(config, max_decode_gap_ms=default_decode_gap_ms(table))
         self.config = config
         self.package_name = package_name
         self._frontend = frontend

@@ -232,13 +232,29 @@ class RequestRecord:
     # the Frontend's cap on the next decode unit's tokens (a thinking budget; None: none), from the
     # preview of the row's last committed span
     control_horizon: int | None = None
-    # speculative decoding: drafts proposed for the request, and those of them it kept
+    # speculative decoding: drafts proposed for the request, those of them it kept, the units that
+    # drafted, and per draft position how many of those units kept the draft there
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_rounds: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
     session_id: str | None = None
     prefix_cache: bool = True
     capture_points: list[int] = field(default_factory=list)
     output_reproducible: bool = False
+
+    def count_drafts(self, drafted: int, kept: int) -> None:
+        """A committed unit proposed ``drafted`` drafts for the request and it kept the first ``kept``
+        (a verify accepts a prefix of its drafts)."""
+        if not drafted:
+            return
+        self.drafted_tokens += drafted
+        self.accepted_draft_tokens += kept
+        self.draft_rounds += 1
+        if len(self.accepted_by_position) < kept:
+            self.accepted_by_position.extend([0] * (kept - len(self.accepted_by_position)))
+        for position in range(kept):
+            self.accepted_by_position[position] += 1
 
     @property
     def remaining_budget(self) -> int:
@@ -284,6 +300,8 @@ class RequestRecord:
                 reused_prefix_tokens=self.reused_prefix_tokens,
                 drafted_tokens=self.drafted_tokens,
                 accepted_draft_tokens=self.accepted_draft_tokens,
+                draft_rounds=self.draft_rounds,
+                accepted_by_position=tuple(self.accepted_by_position),
             ),
             logprobs=logprobs,
             error=self.error,
