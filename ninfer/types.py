@@ -134,7 +134,9 @@ class EngineConfig:
     - ``queue_capacity``: waiting requests beyond the active ones; a submit beyond
       ``max_concurrency + queue_capacity`` outstanding requests is rejected at once (overload).
     - ``queue_timeout_s``: longest wait for admission; ``None`` waits forever.
-    - ``max_context``: longest prompt + generated tokens of one request; ``None`` takes the Program's.
+    - ``max_context``: longest prompt + generated tokens of one request; ``None`` takes the Program's: on
+      CUDA the model's positions when one request that long fits in the KV pool, else the most that fits;
+      on CPU ``min(model, 32768)``. A value the pool cannot hold is refused at start.
     - ``device``/``dtype``: where and in which compute dtype the Program runs (``auto`` picks CUDA when
       present, and the artifact's storage dtype).
     - ``page_size``: KV positions per page; ``prefill_chunk_tokens``: prompt tokens per prefill unit, so
@@ -159,11 +161,18 @@ class EngineConfig:
     - ``prefix_cache``: the context cache (docs/resources-and-context-cache.md): a request whose prompt
       starts with a prefix the Engine has run before continues the checkpoint at that prefix instead of
       prefilling it; output is the same as a cold run. A request may opt out (``GenerationRequest``).
-    - ``cache_memory_gb``: device memory for checkpoints beyond the lanes' own reservations (their
-      recurrent-state slots and the KV pages only they hold); ``None`` sizes it from the free memory
-      (CUDA) or a small default (CPU). Checkpoints may also use whatever the lanes leave idle.
+    - ``cache_memory_gb``: memory for the context cache's own resources. On CUDA, its checkpoint state
+      slots (the checkpoints' KV pages come from the shared pool, which fills the memory); ``None``: a
+      tenth of the memory left for state, at most 64 slots. On CPU, where the pool only holds
+      ``max_context x max_concurrency``, the checkpoint budget: a quarter state slots, the rest KV pages
+      added to the pool; ``None``: four times the lanes' state, at most 1 GiB. Checkpoints may also use
+      whatever the lanes leave idle.
     - ``capture_interval``: prompt tokens between two checkpoints of a long prompt (besides the
       Frontend's reuse boundaries: the system preamble and the assistant turn starts).
+    - ``gpu_memory_fraction``: the share of the CUDA device's total memory a generation Engine may hold,
+      weights included (vLLM's ``--gpu-memory-utilization``); the shared KV pool takes what is left of it
+      after the weights, the working space and the state slots (docs/resources-and-context-cache.md,
+      "Sizing"). Not used on CPU.
     """
 
     purpose: Purpose = "generation"
@@ -187,8 +196,11 @@ class EngineConfig:
     prefix_cache: bool = True
     cache_memory_gb: float | None = None
     capture_interval: int = 4096
+    gpu_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.cache_memory_gb is not None and not self.cache_memory_gb >= 0:
             raise ValueError(f"cache_memory_gb must be >= 0 or None, got {self.cache_memory_gb}")
         if self.capture_interval < 1:

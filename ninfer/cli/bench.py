@@ -18,6 +18,7 @@ import sys
 from ninfer.cli.common import (
     add_kernels_flag,
     add_lookahead_flag,
+    add_memory_flag,
     decode_lookahead,
     fail,
     positive_int,
@@ -103,6 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="compute dtype (auto: float32 on CPU; on GPU the artifact's storage dtype, bf16 if synthetic)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_memory_flag(p)
     add_lookahead_flag(p)
     add_kernels_flag(p)
     p.add_argument(
@@ -287,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             prefix_cache=multi or args.prefix_cache == "on",
             cache_memory_gb=args.cache_memory_gb,
+            gpu_memory_fraction=args.gpu_memory_fraction,
         )
         log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731
         if multi:
