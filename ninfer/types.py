@@ -32,6 +32,7 @@ __all__ = [
     "TokenLogprob",
     "ToolCallDelta",
     "Usage",
+    "default_decode_gap_ms",
     "default_prefill_chunk",
     "resolve_sampling",
 ]
@@ -69,6 +70,14 @@ def default_prefill_chunk(kernels: str) -> int:
     attention materialises fp32 scores of [heads, unit, context] (several GB for an 8192-token unit).
     """
     return 8192 if kernels == "fast" else 2048
+
+
+def default_decode_gap_ms(kernels: str) -> float:
+    """``EngineConfig.max_decode_gap_ms`` when None, by op table: ``fast`` (CUDA) 100 ms, so a decoding
+    stream sees at most about a tenth of a second between two tokens while a long prompt is prefilled
+    (a full 8,192-token chunk takes about 0.7 s on the 27B); ``reference``: 0 (off: chunk sizes that
+    depend on timing would make CPU runs' prefill chunks, and so their float sums, differ run to run)."""
+    return 100.0 if kernels == "fast" else 0.0
 
 
 MAX_DRAFT_TOKENS = 8
@@ -125,12 +134,18 @@ class EngineConfig:
     - ``queue_capacity``: waiting requests beyond the active ones; a submit beyond
       ``max_concurrency + queue_capacity`` outstanding requests is rejected at once (overload).
     - ``queue_timeout_s``: longest wait for admission; ``None`` waits forever.
-    - ``max_context``: longest prompt + generated tokens of one request; ``None`` takes the Program's.
+    - ``max_context``: longest prompt + generated tokens of one request; ``None`` takes the Program's: on
+      CUDA the model's positions when one request that long fits in the KV pool, else the most that fits;
+      on CPU ``min(model, 32768)``. A value the pool cannot hold is refused at start.
     - ``device``/``dtype``: where and in which compute dtype the Program runs (``auto`` picks CUDA when
       present, and the artifact's storage dtype).
     - ``page_size``: KV positions per page; ``prefill_chunk_tokens``: prompt tokens per prefill unit, so
       a long prompt interleaves with decode rounds; ``None`` takes `default_prefill_chunk` of the op
       table the Program runs.
+    - ``max_decode_gap_ms``: while requests decode, the staged prefill's chunks are sized so that their
+      inter-token gap (one chunk + one decode round, learned from the gaps measured) stays under this
+      many milliseconds; with nothing decoding a chunk is ``prefill_chunk_tokens`` again. ``0`` turns
+      it off; ``None`` takes `default_decode_gap_ms` of the op table (docs/engine.md, "Prefill pacing").
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
     - ``decode_lookahead``: the Program queues the decode after each decode before the Engine has
       committed the first, so the GPU runs it while the worker commits and publishes (SGLang's overlap
@@ -146,11 +161,18 @@ class EngineConfig:
     - ``prefix_cache``: the context cache (docs/resources-and-context-cache.md): a request whose prompt
       starts with a prefix the Engine has run before continues the checkpoint at that prefix instead of
       prefilling it; output is the same as a cold run. A request may opt out (``GenerationRequest``).
-    - ``cache_memory_gb``: device memory for checkpoints beyond the lanes' own reservations (their
-      recurrent-state slots and the KV pages only they hold); ``None`` sizes it from the free memory
-      (CUDA) or a small default (CPU). Checkpoints may also use whatever the lanes leave idle.
+    - ``cache_memory_gb``: memory for the context cache's own resources. On CUDA, its checkpoint state
+      slots (the checkpoints' KV pages come from the shared pool, which fills the memory); ``None``: a
+      tenth of the memory left for state, at most 64 slots. On CPU, where the pool only holds
+      ``max_context x max_concurrency``, the checkpoint budget: a quarter state slots, the rest KV pages
+      added to the pool; ``None``: four times the lanes' state, at most 1 GiB. Checkpoints may also use
+      whatever the lanes leave idle.
     - ``capture_interval``: prompt tokens between two checkpoints of a long prompt (besides the
       Frontend's reuse boundaries: the system preamble and the assistant turn starts).
+    - ``gpu_memory_fraction``: the share of the CUDA device's total memory a generation Engine may hold,
+      weights included (vLLM's ``--gpu-memory-utilization``); the shared KV pool takes what is left of it
+      after the weights, the working space and the state slots (docs/resources-and-context-cache.md,
+      "Sizing"). Not used on CPU.
     """
 
     purpose: Purpose = "generation"
@@ -162,6 +184,7 @@ class EngineConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     page_size: int = 64
     prefill_chunk_tokens: int | None = None
+    max_decode_gap_ms: float | None = None
     cuda_graphs: bool = True
     decode_lookahead: bool | None = None
     warmup: bool = True
@@ -173,8 +196,11 @@ class EngineConfig:
     prefix_cache: bool = True
     cache_memory_gb: float | None = None
     capture_interval: int = 4096
+    gpu_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.cache_memory_gb is not None and not self.cache_memory_gb >= 0:
             raise ValueError(f"cache_memory_gb must be >= 0 or None, got {self.cache_memory_gb}")
         if self.capture_interval < 1:
@@ -202,6 +228,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be 'auto', 'reference' or 'fast', got {self.kernels!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_decode_gap_ms is not None and not self.max_decode_gap_ms >= 0:
+            raise ValueError(f"max_decode_gap_ms must be >= 0 (0: off) or None, got {self.max_decode_gap_ms}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.score_window < 2:

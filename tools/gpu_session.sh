@@ -11,7 +11,8 @@
 # GTIMELINE_ARGS=--engine: the Engine's own graphs too), hostround27/35
 # (HOSTROUND_BATCH), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
-# pdlprofile, pdloff8, chunk8k,
+# pdlprofile, pdloff8, chunk8k, interfere27/35 (bench --interference IF_TOKENS: streams' gaps while a long
+# prompt arrives, pacing on and off),
 # start27: a synthetic full-size 27B artifact loaded by bench), multiturn27/35 (a 10-turn agent conversation
 # through the context cache, 2,048 new tokens a turn; MT_TIMEOUT, MT_ARGS), image27/35 (the vision tower and
 # one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS).
@@ -83,6 +84,8 @@ for step in "$@"; do
         && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
     pdlprofile) for p in 0 1; do NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 256; NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1 --prefill 256; done ;;
     chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27.json" ;;
+    interfere27) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --interference ${IF_TOKENS:-32768} --streams 4 > "$OUT/interfere27.json" ;;
+    interfere35) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --interference ${IF_TOKENS:-32768} --streams 4 > "$OUT/interfere35.json" ;;
     multiturn27) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn27.json" ;;
     multiturn35) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn35.json" ;;
     image27) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image27.json" ;;

@@ -477,17 +477,20 @@ def _cache_budget(program: Any, config: EngineConfig) -> tuple[int | None, int |
     """(checkpoint slots, budget bytes, where the budget comes from), read from the Program's
     configuration and resource book where it has them."""
     slots = getattr(getattr(program, "config", None), "checkpoint_slots", None)
-    if config.cache_memory_gb is not None:
-        return slots, int(config.cache_memory_gb * 2**30), "--cache-memory-gb"
     book = getattr(program, "book", None)
     pconf = getattr(program, "config", None)
     backend = getattr(program, "backend", None)
+    plan = getattr(pconf, "memory", None)
+    shared_pool = plan is not None and plan.device == "cuda"  # checkpoint pages come from the whole pool
+    if config.cache_memory_gb is not None and not shared_pool:
+        return slots, int(config.cache_memory_gb * 2**30), "--cache-memory-gb"
     try:
         lane_pages = -(-(pconf.max_context + backend.extra_tokens) // pconf.page_size) * pconf.max_concurrency
-        budget = slots * book.slot_bytes + (pconf.kv_pages - lane_pages) * book.page_bytes
+        budget = slots * book.slot_bytes + max(0, pconf.kv_pages - lane_pages) * book.page_bytes
     except (AttributeError, TypeError):
         return slots, None, "unknown"
-    return slots, budget, "sized by the Engine (docs/resources-and-context-cache.md, Sizing)"
+    source = "--cache-memory-gb slots + " if config.cache_memory_gb is not None else ""
+    return slots, budget, source + "sized by the Engine (docs/resources-and-context-cache.md, Sizing)"
 
 
 def _conversation_bytes(program: Any, tokens: int) -> int | None:

@@ -91,26 +91,8 @@ class BenchReport:
     assumptions: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "package": self.package,
-            "synthetic": self.synthetic,
-        }
-        if self.synthetic:
-            out["note"] = SYNTHETIC_NOTE
+        out = header_json(self)
         out.update(
-            artifact=self.artifact,
-            device=self.device,
-            dtype=self.dtype,
-            torch=self.torch_version,
-            commit=self.commit,
-            date=self.date,
-            bandwidth_GBps=round(self.bandwidth_GBps, 3),
-            copy_bytes=self.copy_bytes,
-            matmul_TFLOPs=round(self.matmul_TFLOPs, 4),
-            matmul_n=self.matmul_n,
-            matmul_dtype=self.matmul_dtype,
-            startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
-            load=load_json(self.load),
             decode=[
                 {
                     "batch": r.batch,
@@ -171,26 +153,7 @@ class RunHeader:
     load: Any  # LoadReport | None
 
     def to_json(self) -> dict[str, Any]:
-        """The same leading fields, names and rounding as `BenchReport.to_json`."""
-        out: dict[str, Any] = {"package": self.package, "synthetic": self.synthetic}
-        if self.synthetic:
-            out["note"] = SYNTHETIC_NOTE
-        out.update(
-            artifact=self.artifact,
-            device=self.device,
-            dtype=self.dtype,
-            torch=self.torch_version,
-            commit=self.commit,
-            date=self.date,
-            bandwidth_GBps=round(self.bandwidth_GBps, 3),
-            copy_bytes=self.copy_bytes,
-            matmul_TFLOPs=round(self.matmul_TFLOPs, 4),
-            matmul_n=self.matmul_n,
-            matmul_dtype=self.matmul_dtype,
-            startup_s={k: round(v, 3) for k, v in self.startup_s.items()},
-            load=load_json(self.load),
-        )
-        return out
+        return header_json(self)
 
     def lines(self, mode: str) -> list[str]:
         """The table's opening lines, ``mode`` naming the run (``--multi-turn``, ``--image``)."""
@@ -288,3 +251,26 @@ def load_json(load: Any) -> dict[str, Any] | None:
         "device": load.device,
         "zero_copy": load.zero_copy,
     }
+
+
+def header_json(run: RunHeader | BenchReport) -> dict[str, Any]:
+    """The leading fields every bench mode's JSON starts with, in this order and rounding."""
+    out: dict[str, Any] = {"package": run.package, "synthetic": run.synthetic}
+    if run.synthetic:
+        out["note"] = SYNTHETIC_NOTE
+    out.update(
+        artifact=run.artifact,
+        device=run.device,
+        dtype=run.dtype,
+        torch=run.torch_version,
+        commit=run.commit,
+        date=run.date,
+        bandwidth_GBps=round(run.bandwidth_GBps, 3),
+        copy_bytes=run.copy_bytes,
+        matmul_TFLOPs=round(run.matmul_TFLOPs, 4),
+        matmul_n=run.matmul_n,
+        matmul_dtype=run.matmul_dtype,
+        startup_s={k: round(v, 3) for k, v in run.startup_s.items()},
+        load=load_json(run.load),
+    )
+    return out

@@ -106,14 +106,13 @@ def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> St
     variant = package.variant
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, SYNTHETIC_STORAGE, device)
-    max_context = config.max_context or variant.max_position_embeddings
     t0 = time.perf_counter()
     view = random_model_view(variant, seed=seed, dtype=dtype, device=device)
     _sync(device)
     t1 = time.perf_counter()
     frontend = synthetic_frontend(package)
     t2 = time.perf_counter()
-    program = build_program(package, view, config, max_context, device, dtype)
+    program = build_program(package, view, config, config.max_context, device, dtype)
     _sync(device)
     t3 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=package.name)
@@ -133,9 +132,8 @@ def restart(started: StartedEngine, config: EngineConfig) -> StartedEngine:
     gc.collect()
     if started.device.type == "cuda":
         torch.cuda.empty_cache()
-    max_context = config.max_context or started.package.variant.max_position_embeddings
     t0 = time.perf_counter()
-    program = build_program(started.package, view, config, max_context, started.device, started.dtype)
+    program = build_program(started.package, view, config, config.max_context, started.device, started.dtype)
     _sync(started.device)
     t1 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=started.package.name)

@@ -15,7 +15,15 @@ import argparse
 import json
 import sys
 
-from ninfer.cli.common import add_kernels_flag, add_lookahead_flag, decode_lookahead, fail, split_artifact
+from ninfer.cli.common import (
+    add_kernels_flag,
+    add_lookahead_flag,
+    add_memory_flag,
+    decode_lookahead,
+    fail,
+    positive_int,
+    split_artifact,
+)
 from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
@@ -34,16 +42,6 @@ def batch_list(text: str) -> tuple[int, ...]:
     if not values or not all(1 <= v <= MAX_CONCURRENCY_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"batch sizes must be 1..{MAX_CONCURRENCY_LIMIT}, got {text!r}")
     return tuple(values)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def nonnegative_float(text: str) -> float:
@@ -106,6 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="compute dtype (auto: float32 on CPU; on GPU the artifact's storage dtype, bf16 if synthetic)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_memory_flag(p)
     add_lookahead_flag(p)
     add_kernels_flag(p)
     p.add_argument(
@@ -159,6 +158,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--image-repeats", type=positive_int, default=None, help="timed runs per size of --image (median; 5)"
     )
+    p.add_argument(
+        "--interference",
+        type=positive_int,
+        metavar="PROMPT_TOKENS",
+        default=None,
+        help="decoding streams' inter-token gaps while a prompt of this many tokens arrives, with prefill "
+        "pacing on and off, instead of the standard suite",
+    )
+    p.add_argument(
+        "--streams", type=positive_int, default=None, help="requests decoding in --interference (default 4)"
+    )
+    p.add_argument(
+        "--max-decode-gap-ms",
+        type=float,
+        default=None,
+        help="the pacing bound of --interference's first run (default: the Engine's, 100 ms on CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -185,8 +201,20 @@ def _tokens_per_round(speculative: str | None) -> int:
 def mode_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the mode flags together, or None."""
     multi, image = args.multi_turn is not None, args.image is not None
-    if multi and image:
-        return "give --multi-turn or --image, not both"
+    interference = args.interference is not None
+    if multi + image + interference > 1:
+        return "give one of --multi-turn, --image and --interference"
+    if not interference:
+        for flag in ("streams", "max_decode_gap_ms"):
+            if getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} needs --interference"
+    elif args.batch is not None or args.speculative is not None or args.prefix_cache == "on":
+        return (
+            "--interference runs its own streams, cold and without drafts: drop --batch, --speculative "
+            "and --prefix-cache"
+        )
+    if args.max_decode_gap_ms is not None and not args.max_decode_gap_ms >= 0:
+        return "--max-decode-gap-ms must be >= 0"
     if not multi:
         for flag in ("turn_tokens", "reply_tokens"):
             if getattr(args, flag) is not None:
@@ -224,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return fail(problem)
     multi, image = args.multi_turn is not None, args.image is not None
+    interference = args.interference is not None
     try:
         if args.synthetic is not None:
             artifact = None
@@ -239,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
             context=args.context,
             decode_steps=args.decode_steps,
             prefill_tokens=(
-                _prefill_tokens(args, package.variant.max_position_embeddings) if not (multi or image) else 1
+                _prefill_tokens(args, package.variant.max_position_embeddings)
+                if not (multi or image or interference)
+                else 1
             ),
             prefill_repeats=args.prefill_repeats,
             prefill_chunk=chunk,
@@ -258,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             prefix_cache=multi or args.prefix_cache == "on",
             cache_memory_gb=args.cache_memory_gb,
+            gpu_memory_fraction=args.gpu_memory_fraction,
         )
         log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731
         if multi:
@@ -273,6 +305,17 @@ def run(args: argparse.Namespace) -> int:
             )
             report: object = run_multi_turn(options, turn_plan, log=log)
             render = render_multi_turn
+        elif interference:
+            from ninfer.bench.interference import InterferencePlan, render_interference, run_interference
+
+            interference_plan = InterferencePlan(
+                prompt_tokens=args.interference,
+                streams=args.streams or 4,
+                context=args.context,
+                max_decode_gap_ms=args.max_decode_gap_ms,
+            )
+            report = run_interference(options, interference_plan, log=log)
+            render = render_interference
         elif image:
             from ninfer.bench.image import ImagePlan, render_image, run_image
 

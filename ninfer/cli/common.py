@@ -16,10 +16,53 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="compute dtype (auto: float32 on CPU, the artifact's storage dtype on GPU)",
     )
-    p.add_argument("--max-context", type=int, default=None, help="context limit per request (tokens)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit per request, tokens (default: on CUDA the model's 262,144 when one request "
+        "that long fits in the KV pool, else the most that fits; on CPU 32,768)",
+    )
+    add_memory_flag(p)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
     add_lookahead_flag(p)
     add_kernels_flag(p)
+
+
+def add_memory_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=memory_fraction,
+        default=None,
+        metavar="F",
+        help="share of the GPU's total memory NInfer may hold, weights included; the shared KV pool takes "
+        "what the weights, working space and state slots leave of it (default 0.9; not used on CPU)",
+    )
+
+
+def memory_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def with_memory_flag(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` with ``--gpu-memory-fraction`` when it was given."""
+    import dataclasses
+
+    fraction = getattr(args, "gpu_memory_fraction", None)
+    return config if fraction is None else dataclasses.replace(config, gpu_memory_fraction=fraction)
+
+
+def announce_capacity(engine: Any, command: str) -> Any:
+    """Say a generation Engine's KV pool and context limit on stderr (one line); returns the Engine."""
+    if engine.config.purpose == "generation":
+        print(f"ninfer {command}: {engine.capacity().describe()}", file=sys.stderr)
+    return engine
 
 
 def add_lookahead_flag(p: argparse.ArgumentParser) -> None:
@@ -67,7 +110,7 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capture-interval",
-        type=capture_interval,
+        type=positive_int,
         default=None,
         metavar="N",
         help="prompt tokens between two checkpoints inside a long prompt (default 4096)",
@@ -98,13 +141,14 @@ def cache_memory_gb(text: str) -> float:
     return value
 
 
-def capture_interval(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (token counts, repeats, sizes)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
 
 
@@ -174,6 +218,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         kernels=args.kernels,
         warmup=False,
         **reuse_config(args),
+        **({"gpu_memory_fraction": args.gpu_memory_fraction} if args.gpu_memory_fraction is not None else {}),
     )
 
 

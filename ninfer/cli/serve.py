@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 from ninfer.cli.common import (
     add_engine_flags,
     add_reuse_flags,
+    announce_capacity,
     decode_lookahead,
     fail,
     reuse_config,
     speculative_problem,
     split_artifact,
+    with_memory_flag,
 )
 from ninfer.cli.score import DEFAULT_SCORE_WINDOW, max_context_note, scoring_window
 from ninfer.serve.limits import RequestLimits
@@ -318,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.targets.open import load_frontend
 
     try:
-        config = engine_config(args)
+        config = with_memory_flag(engine_config(args), args)
         serve_config(args, "")  # flags first: a bad one is refused before the artifact is read
     except ValueError as e:
         return fail(str(e))
@@ -345,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     app = create_app(
-        lambda: Engine(args.artifact, config),
+        lambda: announce_capacity(Engine(args.artifact, config), "serve"),
         serve_config(args, package.name, vision=package.has_vision),
         frontend=frontend,
     )
@@ -372,7 +374,7 @@ def _run_synthetic(args: argparse.Namespace, config: EngineConfig) -> int:
     note = f"ninfer serve: synthetic weights of {package.name}: the output text is meaningless"
     print(note, file=sys.stderr)
     app = create_app(
-        lambda: start_synthetic(package.name, config, seed=0).engine,
+        lambda: announce_capacity(start_synthetic(package.name, config, seed=0).engine, "serve"),
         serve_config(args, package.name, vision=package.has_vision),
         frontend=frontend,
     )

@@ -192,7 +192,7 @@ def create_app(
         engine = host.loaded
         if engine is None or engine.config.purpose != "generation":
             return None
-        return EngineView(engine.cache_stats, engine.config.speculative)
+        return EngineView(engine.cache_stats, engine.config.speculative, engine.capacity().kv_pool_tokens)
 
     gateway = Gateway(config, host, metrics=ServeMetrics(engine_view))
 

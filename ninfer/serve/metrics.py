@@ -189,8 +189,11 @@ class SpeculativeTotals:
 class EngineView:
     """What the collector reads from the loaded Engine: its cache counters and its draft depth K."""
 
-    def __init__(self, cache_stats: Callable[[], CacheStats], speculative: str | None) -> None:
+    def __init__(
+        self, cache_stats: Callable[[], CacheStats], speculative: str | None, kv_pool_tokens: int = 0
+    ) -> None:
         self.cache_stats = cache_stats
+        self.kv_pool_tokens = kv_pool_tokens
         spec = parse_speculative(speculative)
         self.draft_tokens = spec.draft_tokens if spec is not None else 0
 
@@ -240,6 +243,11 @@ class EngineCacheCollector(Collector):
             "ninfer_prefix_cache_sessions",
             "Sessions (X-Session-Id) bound to a continuation",
             value=stats.sessions,
+        )
+        yield GaugeMetricFamily(
+            "ninfer_kv_pool_tokens",
+            "Positions the shared KV pool holds (active requests and checkpoints), fixed at start",
+            value=view.kv_pool_tokens if view is not None else 0,
         )
         drafted, accepted, rounds, by_position = self._speculative.read()
         k = view.draft_tokens if view is not None else 0

@@ -173,7 +173,7 @@ def test_transition_clock_times_published_calls_and_comes_off() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--multi-turn", "2", "--image", "64x64"), "give --multi-turn or --image, not both"),
+        (("--multi-turn", "2", "--image", "64x64"), "give one of --multi-turn, --image and --interference"),
         (("--turn-tokens", "64",), "--turn-tokens needs --multi-turn"),
         (("--reply-tokens", "4",), "--reply-tokens needs --multi-turn"),
         (("--image-repeats", "2",), "--image-repeats needs --image"),

@@ -82,11 +82,14 @@ def build_engine(
     capture_interval: int = 128,
     start_worker: bool = True,
     draft_tokens: int = 0,
+    clock: Any = None,
+    **config_fields: Any,
 ) -> Engine:
     """A CPU fp32 Engine on the tiny package (the `stopping_view` of its chats with ``thinking`` unless
     ``view``) with room for ``checkpoint_slots`` checkpoints (``kv_pages`` defaults to the lanes' own
     pages plus as many again). ``start_worker=False``: no worker thread, the caller steps the core.
-    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round."""
+    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``clock``: the
+    Engine's clock; ``config_fields``: more EngineConfig fields."""
     variant = PACKAGES[name].variant
     lane_pages = MAX_CONTEXT // PAGE_SIZE * max_concurrency
     program = Qwen36Program(
@@ -102,10 +105,10 @@ def build_engine(
     config = EngineConfig(
         max_concurrency=max_concurrency, device="cpu", dtype="float32", max_context=MAX_CONTEXT,
         page_size=PAGE_SIZE, prefill_chunk_tokens=chunk, warmup=False, prefix_cache=prefix_cache,
-        capture_interval=capture_interval,
+        capture_interval=capture_interval, **config_fields,
     )  # fmt: skip
     return Engine.from_parts(
-        program, frontend(SMALL_CONFIG), config, package_name=name, start_worker=start_worker
+        program, frontend(SMALL_CONFIG), config, package_name=name, clock=clock, start_worker=start_worker
     )
 
 

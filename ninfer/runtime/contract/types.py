@@ -118,6 +118,9 @@ class ResourceCapacity:
     kv_pages: int  # pages in the shared paged KV pool(s), counted in pages of `page_size` positions
     page_size: int  # KV positions per page
     max_context: int  # longest sequence (prompt + generated) one request may reach
+    kv_page_bytes: int = 0  # device bytes of one page id in every KV pool (0: not said)
+    gpu_memory_fraction: float | None = None  # the device-memory share the pools were sized under, if so
+    memory_plan: str = ""  # one line: how the Program divided the memory ("" when it does not say)
 
 
 @dataclass(frozen=True, slots=True)

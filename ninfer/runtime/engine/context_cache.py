@@ -150,14 +150,12 @@ class ContextCache:
             self._clock += 1
             order = record.publication_order if record is not None else 0
             session = record.session_id if record is not None and private else None
-            if session is not None:
-                current = self.sessions.get(session)
-                if current is not None and current[1] > order:
-                    session = None  # a later request of the session already holds the binding
             self.entries[entry.checkpoint_id] = CatalogEntry(entry, session, order, self._clock)
             if session is None:
                 self._shared.setdefault(entry.frontier_tokens, {})[entry.prefix_digest] = entry.checkpoint_id
             if record is not None and record.session_id is not None:
+                # a private turn that a later request of its session overtook stays private and unbound:
+                # nothing continues it, and it is among the first evicted
                 self.bind(record, entry.checkpoint_id)
             self._counts["retains" if result.kind == "retained" else "captures"] += 1
         self._publish_stats()

@@ -42,6 +42,7 @@ from ninfer.types import (
     GenerationResult,
     RequestRejected,
     ScoreResult,
+    default_decode_gap_ms,
     default_prefill_chunk,
     resolve_sampling,
     sampling_problems,
@@ -50,6 +51,32 @@ from ninfer.types import (
 WARMUP_PROMPT = "Hello"
 WARMUP_MAX_TOKENS = 2
 CLOSE_JOIN_S = 30.0  # how long close() (and the exit hook) waits for the worker to finish its unit
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCapacity:
+    """What a generation Engine can hold, fixed at start (docs/resources-and-context-cache.md, "Sizing").
+
+    The KV pool is shared by every active request and the context cache's checkpoints; ``max_concurrency``
+    bounds the active requests and does not split it. A request reserves its complete growth (prompt +
+    max_tokens) at admission and waits while the pool is held by others."""
+
+    max_context: int  # longest prompt + generated tokens of one request
+    max_concurrency: int
+    kv_pool_tokens: int  # positions the shared KV pool holds (pages x page size)
+    kv_pool_bytes: int  # device bytes of the pool (0 when the Program does not say)
+    page_size: int
+    gpu_memory_fraction: float | None  # the share of the device memory the pool was sized under (None: CPU)
+    memory_plan: str  # one line: how the memory was divided ("" when the Program does not say)
+
+    def describe(self) -> str:
+        """One line for a start-up message."""
+        if self.memory_plan:
+            return self.memory_plan
+        return (
+            f"KV pool {self.kv_pool_tokens:,} tokens, max_context {self.max_context:,}, up to "
+            f"{self.max_concurrency} requests at once"
+        )
 
 
 class GenerationHandle:
@@ -175,9 +202,11 @@ class Engine:
         clock: Callable[[], float] | None,
         start_worker: bool,
     ) -> None:
-        if config.prefill_chunk_tokens is None:  # the default of the op table the Program runs
-            table = getattr(getattr(program, "kernels", None), "name", "reference")
+        table = getattr(getattr(program, "kernels", None), "name", "reference")
+        if config.prefill_chunk_tokens is None:  # the defaults of the op table the Program runs
             config = dataclasses.replace(config, prefill_chunk_tokens=default_prefill_chunk(table))
+        if config.max_decode_gap_ms is None:
+            config = dataclasses.replace(config, max_decode_gap_ms=default_decode_gap_ms(table))
         self.config = config
         self.package_name = package_name
         self._frontend = frontend
@@ -244,6 +273,19 @@ class Engine:
         core = self.core
         core.observer = (
             None if observer is None else (lambda _, unit: observer(unit.kind.value, len(unit.members)))
+        )
+
+    def capacity(self) -> EngineCapacity:
+        """The KV pool and the context limit a generation Engine was sized with (read-only)."""
+        cap = self.core.program.capacity()
+        return EngineCapacity(
+            max_context=self.max_context,
+            max_concurrency=self.config.max_concurrency,
+            kv_pool_tokens=cap.kv_pages * cap.page_size,
+            kv_pool_bytes=cap.kv_pages * cap.kv_page_bytes,
+            page_size=cap.page_size,
+            gpu_memory_fraction=cap.gpu_memory_fraction,
+            memory_plan=cap.memory_plan,
         )
 
     # ---- the context cache ----

@@ -50,6 +50,7 @@ from ninfer.runtime.engine.admission_policy import AdmissionPolicy
 from ninfer.runtime.engine.committer import Committer
 from ninfer.runtime.engine.failure import fail_engine
 from ninfer.runtime.engine.ingress import CacheReset, Ingress
+from ninfer.runtime.engine.prefill_pacer import PrefillPacer
 from ninfer.runtime.engine.request_record import (
     ACTIVE_STATES,
     RequestRecord,
@@ -62,6 +63,8 @@ from ninfer.types import Availability, EngineConfig, FinishReason, NInferError, 
 
 log = logging.getLogger("ninfer.engine")
 
+# requests whose next unit produces output tokens (the prefill pacer keeps their inter-token gap short)
+DECODING = (RequestState.DECODE_READY, RequestState.CONTROL_READY)
 # while a resource transition is in flight the idle worker polls it this often (seconds)
 TRANSITION_POLL_S = 0.001
 
@@ -106,6 +109,9 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         # ---- owned by the worker ----
         self.scheduler = Scheduler()
+        assert config.prefill_chunk_tokens is not None  # the facade resolves it
+        gap_ms = config.max_decode_gap_ms
+        self.pacer = PrefillPacer(gap_ms / 1000 if gap_ms else None, config.prefill_chunk_tokens)
         self.resources = ResourceManager(
             program,
             config.max_concurrency,
@@ -252,7 +258,9 @@ class EngineCore:
         if (unit is None or unit.kind is not UnitKind.DECODE) and self.committer.publish_committed():
             self._freeze_cancellations()
             unit = self.scheduler.next_unit(self.laned.values())
-        if unit is not None:
+        if unit is None:
+            self.pacer.idle()
+        else:
             self.scheduler.started(unit)
             if self.observer is not None:
                 self.observer(self, unit)
@@ -479,9 +487,11 @@ class EngineCore:
                 if not 1 <= len(row.tokens) <= budget:
                     raise EngineInvariantError(f"decode produced {len(row.tokens)} tokens, budget {budget}")
             self.committer.commit_unit(batch, unit.members)
+            self.pacer.decode_committed(self._clock())
         elif unit.kind is UnitKind.PREFILL:
             self._run_prefill(unit.members[0])
         else:
+            self.pacer.other_unit_ran()
             record = unit.members[0]
             handle = self._handle(record)
             batch = self.program.force(handle, record.pending_force)
@@ -506,8 +516,8 @@ class EngineCore:
 
     def _run_prefill(self, record: RequestRecord) -> None:
         handle = self._handle(record)
-        budget = self._config.prefill_chunk_tokens
-        assert budget is not None  # the facade resolves it
+        decoding = any(r.state in DECODING for r in self.laned.values())
+        budget = self.pacer.chunk(decoding)
         frontier = len(record.plan.prompt_token_ids) - record.prompt_remaining
         points = record.capture_points
         while points and points[0] <= frontier:
@@ -515,6 +525,7 @@ class EngineCore:
         if points:  # a chunk ends at the next capture point, where the checkpoint is taken
             budget = min(budget, points[0] - frontier)
         out = self.program.prefill(handle, budget)
+        self.pacer.prefill_ran(min(budget, record.prompt_remaining))
         if isinstance(out, PrefillProgress):
             expected_left = record.prompt_remaining - budget
             if out.consumed != budget or out.remaining != expected_left or out.remaining < 1:

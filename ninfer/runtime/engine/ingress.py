@@ -171,9 +171,6 @@ class Ingress:
         with self.lock:
             arrived = list(self._arrivals)
             self._arrivals.clear()
-            resets, self._cache_resets = self._cache_resets, []
-        for reset in resets:  # nothing is cached once the Engine failed
-            reset.done(0)
         return arrived
 
     def settle_dropped_handles(self) -> tuple[bool, bool]:
@@ -233,7 +230,4 @@ class Ingress:
             self._availability = Availability("failed", reason)
             arrived = list(self._arrivals)
             self._arrivals.clear()
-            resets, self._cache_resets = self._cache_resets, []
-        for reset in resets:  # nothing is cached once the Engine failed
-            reset.done(0)
         return arrived

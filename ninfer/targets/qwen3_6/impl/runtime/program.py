@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,6 +67,7 @@ from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
 from ninfer.targets.qwen3_6.kernels import select_kernels
+from ninfer.targets.qwen3_6.memory import MemoryPlan
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
@@ -89,6 +90,7 @@ class ProgramConfig:
     checkpoint_slots: int = (
         0  # state slots for published checkpoints (the context cache), on top of the lanes'
     )
+    memory: MemoryPlan | None = None  # how build_program sized the pools (None: given directly, tests)
 
 
 class Qwen36Program:
@@ -171,7 +173,12 @@ class Qwen36Program:
         return self.book.revision
 
     def capacity(self) -> ResourceCapacity:
-        return self.book.capacity()
+        plan = self.config.memory
+        if plan is None:
+            return self.book.capacity()
+        return replace(
+            self.book.capacity(), gpu_memory_fraction=plan.gpu_memory_fraction, memory_plan=plan.describe()
+        )
 
     def usage(self) -> ResourceUsage:
         return self.book.usage((s.frontier for s in self._sequences.values()), self._open_pending is not None)

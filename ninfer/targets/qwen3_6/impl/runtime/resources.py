@@ -8,8 +8,9 @@ needs: `Copies`) to the `StateStore` and the block tables.
 
 Sizing (ProgramConfig, docs/resources-and-context-cache.md): ``max_sequences x slots_per_sequence`` state
 slots for active sequences (the current slot of each and the spares its decode backend writes) plus
-``checkpoint_slots``, and the KV pages the Program is given (per lane ``max_context / page_size``, plus
-the context cache's share). The pools are shared: a checkpoint may hold slots and pages an active
+``checkpoint_slots``, and the KV pages the Program is given (its memory plan, `memory.plan_memory`: on
+CUDA what the device memory leaves, on CPU per lane ``max_context / page_size`` plus the context cache's
+share). The pools are shared: a checkpoint may hold slots and pages an active
 request could use, and a materialization that needs them evicts it (inactive checkpoints never cause a
 rejection: `Infeasible` is decided as if none existed). A reservation is complete: every page of
 ``prompt + max_new_tokens + extra_tokens`` positions, where ``extra_tokens`` are the positions a
@@ -135,6 +136,7 @@ class ResourceBook:
             kv_pages=self.pages.size,
             page_size=self.page_size,
             max_context=self.max_context,
+            kv_page_bytes=self.page_bytes,
         )
 
     def usage(self, frontiers: Iterable[int], open_pending: bool) -> ResourceUsage:
@@ -177,9 +179,14 @@ class ResourceBook:
             )
         pages = self.positions_pages(request)
         if pages > self.pages.size:
+            extra = f" + {self.extra_tokens} speculative" if self.extra_tokens else ""
+            size = f" ({pages * self.page_bytes / 2**30:.2f} GiB)" if self.page_bytes else ""
+            pool = f" ({self.pages.size * self.page_bytes / 2**30:.2f} GiB)" if self.page_bytes else ""
             return Infeasible(
-                f"needs {pages * self.page_size} KV positions, the KV pool holds "
-                f"{self.pages.size * self.page_size}; lower max_tokens"
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_new_tokens})"
+                f"{extra} needs {pages} KV pages of {self.page_size} positions{size}, the whole KV pool "
+                f"holds {self.pages.size} pages ({self.pages.size * self.page_size} positions){pool}; lower "
+                "max_tokens or shorten the prompt (the pool is sized at start: --gpu-memory-fraction)"
             )
         return None
 
