@@ -259,6 +259,11 @@ class GenerationRequest:
     ``logprobs`` adds the chosen token's logprob, ``top_logprobs`` (0..20) that many alternatives.
     ``thinking_budget`` (>= 1) caps reasoning tokens: the Frontend then forces the end of the thinking
     block. It cannot be 0: the first token is sampled together with the end of the prompt.
+    ``logit_bias`` maps token ids (below the vocabulary size) to a bias in [-100, 100] added to their
+    logits before sampling (OpenAI's meaning: -100 bans a token, +100 all but forces it; greedy too); the
+    reported log-probs stay the model's. ``min_tokens``: the end-of-sequence tokens (unless
+    ``ignore_eos``) and ``stop_token_ids`` cannot be drawn before that many tokens were generated (vLLM's
+    meaning; stop strings still apply).
     """
 
     prompt: str | Sequence[int] | None = None
@@ -282,6 +287,8 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     thinking_budget: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
     # the context cache: a session key finds the session's latest continuation first (a hint: reuse is
     # decided by content, so output never depends on it); ``prefix_cache=False`` keeps the request out
     # of the cache (it neither continues nor leaves checkpoints)
@@ -326,6 +333,11 @@ class GenerationRequest:
                 "samples the first token before the thinking block can be closed; to skip thinking, "
                 "turn it off in the chat template (chat_template_kwargs enable_thinking=False)"
             )
+        out.extend(logit_bias_problems(self.logit_bias))
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            out.append(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
+        elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            out.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         session = self.session_id
         if session is not None and (not isinstance(session, str) or len(session) > 256):
             out.append("session_id must be a string of at most 256 characters")
@@ -355,6 +367,26 @@ _SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: _finite(v) and -2 <= v <= 2, "in [-2, 2]"),
     "repetition_penalty": (lambda v: _finite(v) and v > 0, "> 0 (1 = off)"),
 }
+
+
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def logit_bias_problems(bias: Mapping[Any, Any] | None) -> list[str]:
+    """What is wrong with a ``logit_bias`` mapping (the vocabulary bound is the Engine's to check)."""
+    if bias is None:
+        return []
+    if not isinstance(bias, Mapping):
+        return [f"logit_bias must map token ids to numbers, got {type(bias).__name__}"]
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return [f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"]
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            return [f"logit_bias keys must be token ids (integers >= 0), got {token!r}"]
+        if not _finite(value) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            return [f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}"]
+    return []
 
 
 def sampling_problems(values: Mapping[str, Any]) -> list[str]:

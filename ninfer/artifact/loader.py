@@ -24,6 +24,7 @@ On a CPU target the same plan runs with ordinary host buffers and synchronous co
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,8 @@ DEFAULT_STAGING_BYTES = 256 << 20
 _PIECE_ALIGNMENT = 256
 # below this a piece rides in its batch's packed transfer instead of taking a DMA of its own
 _DIRECT_MIN_BYTES = 1 << 20
+log = logging.getLogger("ninfer.load")
+_LOG_INTERVAL_S = 5.0  # seconds between two progress log lines
 _PROGRESS_INTERVAL_S = 0.1
 
 
@@ -168,7 +171,11 @@ def stream_tensors(
     sources = [src.reshape(-1).view(torch.uint8) for src, _ in pairs]
     targets = [dst.view(-1) for _, dst in pairs]
     dtypes = [src.dtype for src, _ in pairs]
-    meter = _Progress(total, str(device)) if progress else None
+    meter: _Progress | None = None
+    if progress:
+        meter = _Progress(total, str(device))
+    elif log.isEnabledFor(logging.INFO):  # a server's log (ninfer serve configures it): progress lines
+        meter = _LoggedProgress(total, str(device))
     if device.type == "cuda":
         _stream_cuda(batches, sources, targets, dtypes, staging_bytes, num_buffers, device, meter)
     else:
@@ -320,3 +327,24 @@ class _Progress:
         # padded so that a shorter line fully covers the previous one
         sys.stderr.write("\r" + line.ljust(100) + end)
         sys.stderr.flush()
+
+
+class _LoggedProgress(_Progress):
+    """Progress as ``ninfer.load`` log lines: one every _LOG_INTERVAL_S seconds, and the total."""
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if now - self.drawn >= _LOG_INTERVAL_S:
+            self.drawn = now
+            rate = self.done / max(now - self.started, 1e-9) / 1e9
+            log.info(
+                "loading weights device=%s done_GB=%.2f total_GB=%.2f percent=%.0f GBps=%.1f",
+                self.device, self.done / 1e9, self.total / 1e9, 100 * self.done / self.total, rate,
+            )  # fmt: skip
+
+    def finish(self, report: LoadReport) -> None:
+        log.info(
+            "weights loaded device=%s GB=%.2f seconds=%.2f GBps=%.1f tensors=%d",
+            report.device, report.nbytes / 1e9, report.seconds, report.gb_per_s, report.num_tensors,
+        )  # fmt: skip

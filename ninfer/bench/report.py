@@ -82,7 +82,7 @@ class BenchReport:
     matmul_n: int
     matmul_dtype: str
     startup_s: dict[str, float]  # phase -> seconds; "total" last
-    load: str | None  # the weight loader's report (artifacts only)
+    load: Any  # the weight loader's LoadReport (artifacts only): prose in the table, numbers in JSON
     decode: tuple[DecodeRow, ...]
     prefill: PrefillRow
     ttft: LatencyRow
@@ -150,7 +150,7 @@ class RunHeader:
     matmul_n: int
     matmul_dtype: str
     startup_s: dict[str, float]  # phase -> seconds; "total" last
-    load: str | None
+    load: Any  # LoadReport | None
 
     def to_json(self) -> dict[str, Any]:
         return header_json(self)
@@ -238,6 +238,21 @@ def git_commit() -> str | None:
     return f"{commit}-dirty" if dirty.returncode == 1 else commit
 
 
+def load_json(load: Any) -> dict[str, Any] | None:
+    """The weight load's figures (``artifact.loader.LoadReport``) as numbers; GB are 10^9 bytes."""
+    if load is None:
+        return None
+    return {
+        "bytes": load.nbytes,
+        "seconds": round(load.seconds, 4),
+        "GBps": round(load.gb_per_s, 3),
+        "tensors": load.num_tensors,
+        "staging_fills": load.num_batches,
+        "device": load.device,
+        "zero_copy": load.zero_copy,
+    }
+
+
 def header_json(run: RunHeader | BenchReport) -> dict[str, Any]:
     """The leading fields every bench mode's JSON starts with, in this order and rounding."""
     out: dict[str, Any] = {"package": run.package, "synthetic": run.synthetic}
@@ -256,6 +271,6 @@ def header_json(run: RunHeader | BenchReport) -> dict[str, Any]:
         matmul_n=run.matmul_n,
         matmul_dtype=run.matmul_dtype,
         startup_s={k: round(v, 3) for k, v in run.startup_s.items()},
-        load=run.load,
+        load=load_json(run.load),
     )
     return out

@@ -47,7 +47,7 @@ class StartedEngine:
     synthetic: bool
     artifact: str | None
     phases_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in order
-    load: str | None = None  # the weight loader's report (bytes, seconds, GB/s), artifacts only
+    load: Any = None  # the weight loader's LoadReport (bytes, seconds, GB/s), artifacts only
     program: Any = None  # the Program under the Engine (its model view serves a second Engine)
 
     @property
@@ -71,8 +71,9 @@ def start_from_artifact(path: str, config: EngineConfig) -> StartedEngine:
     engine = Engine.from_parts(opened.program, opened.frontend, config, package_name=opened.package_name)
     t2 = time.perf_counter()
     phases = {"load_and_program": t1 - t0, "worker_and_warmup": t2 - t1}
-    load = str(opened.load_report) if opened.load_report is not None else None
-    return StartedEngine(engine, package, device, dtype, False, path, phases, load, opened.program)
+    return StartedEngine(
+        engine, package, device, dtype, False, path, phases, opened.load_report, opened.program
+    )
 
 
 def synthetic_frontend(package: Package) -> Frontend:

@@ -34,7 +34,12 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        # argparse would write the one-or-two positionals as "[ARTIFACT] PROMPT [[ARTIFACT] PROMPT ...]"
+        usage="%(prog)s [ARTIFACT] PROMPT [options]",
+    )
     p.add_argument(
         "positionals",
         nargs="+",

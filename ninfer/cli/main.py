@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from ninfer.cli import common
 from ninfer.cli.common import fail
+from ninfer.version import version
 
 # subcommand -> module under ninfer.cli (each owns its flags and its run function)
 COMMANDS: dict[str, str] = {
@@ -37,23 +38,6 @@ class CLIParser(argparse.ArgumentParser):
 
 
 DEBUG_HELP = "print the full traceback of an error instead of one line"
-
-
-def version() -> str:
-    """The installed distribution's version (the source tree's pyproject when run uninstalled)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("ninfer")
-    except PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
-
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        if not pyproject.is_file():
-            return "unknown"
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

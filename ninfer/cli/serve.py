@@ -73,7 +73,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve /metrics without the API key (default: only /health and /ready are open)",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the package name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients may send; answers report the first (default: the package name). "
+        "Give ARTIFACT before this flag",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=(),
+        metavar="ORIGIN",
+        help="CORS: browser origins (https://app.example.com, or * for any) allowed to call the API "
+        "(default: none, no CORS headers)",
+    )
+    p.add_argument(
+        "--synthetic",
+        default=None,
+        metavar="PACKAGE",
+        help="serve random weights of PACKAGE's exact dims (load tests; the output is meaningless) "
+        "instead of an artifact, as ninfer bench --synthetic",
     )
     limits = RequestLimits()
     p.add_argument(
@@ -219,13 +239,31 @@ def serve_config(args: argparse.Namespace, package_name: str, vision: bool | Non
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
     )
+    names = served_names(args.served_model_name)
     return ServeConfig(
-        model_name=args.served_model_name or package_name,
+        model_name=names[0] if names else package_name,
+        model_aliases=tuple(names[1:]),
         api_key=args.api_key,
         limits=limits,
         public_metrics=args.public_metrics,
         images=image_input(args, vision),
+        allowed_origins=tuple(args.allowed_origins),
     )
+
+
+def served_names(names: list[str] | None) -> list[str]:
+    """``--served-model-name`` values, checked: a name that is an artifact path means ARTIFACT came after
+    the flag (argparse gave it to the names), which is refused rather than served as a model name."""
+    names = list(names or ())
+    for name in names:
+        if not name.strip():
+            raise ValueError("--served-model-name: a model name must not be empty")
+        if name.endswith(".ninfer") or os.path.isfile(name):
+            raise ValueError(
+                f"--served-model-name {' '.join(names)}: {name!r} is a file, not a model name; give "
+                "ARTIFACT before --served-model-name (ninfer serve ARTIFACT --served-model-name NAME ...)"
+            )
+    return list(dict.fromkeys(names))
 
 
 def _is_loopback(host: str) -> bool:
@@ -277,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.artifact import Artifact, ArtifactError
     from ninfer.runtime.engine.engine import Engine
     from ninfer.serve import create_app, serve_forever
+    from ninfer.serve.observability import configure_logging
     from ninfer.targets.identity import check_identity
     from ninfer.targets.open import load_frontend
 
@@ -285,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
         serve_config(args, "")  # flags first: a bad one is refused before the artifact is read
     except ValueError as e:
         return fail(str(e))
+    if args.synthetic is not None:
+        if args.artifact is not None:
+            return fail("give an ARTIFACT or --synthetic PACKAGE, not both")
+        return _run_synthetic(args, config)
     if args.artifact is None:
         args.artifact, _ = split_artifact([], 0, "")
     try:
@@ -296,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
     problem = speculative_problem(args.artifact, config.speculative)
     if problem is not None:  # refused before listening, not as a failed /ready after the load
         return fail(problem)
+    configure_logging(args.log_level)
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"ninfer serve: warning: listening on {args.host} without an API key; anyone who can reach the "
@@ -304,6 +348,33 @@ def run(args: argparse.Namespace) -> int:
         )
     app = create_app(
         lambda: announce_capacity(Engine(args.artifact, config), "serve"),
+        serve_config(args, package.name, vision=package.has_vision),
+        frontend=frontend,
+    )
+    serve_forever(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
+def _run_synthetic(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``--synthetic PACKAGE``: the package's real Program and Frontend over random weights materialised on
+    the device (``ninfer.bench.startup``, as ``ninfer bench --synthetic``), served like an artifact."""
+    from ninfer.bench.startup import start_synthetic, synthetic_frontend
+    from ninfer.serve import create_app, serve_forever
+    from ninfer.serve.observability import configure_logging
+    from ninfer.targets.registry import PackageMismatch, get_package
+
+    try:
+        package = get_package(args.synthetic)
+        frontend = synthetic_frontend(package)
+    except (PackageMismatch, KeyError, ValueError) as e:
+        return fail(f"--synthetic {args.synthetic}: {' '.join(str(e).split())}")
+    if config.speculative is not None and not package.has_mtp:
+        return fail(f"--speculative: package {package.name!r} has no MTP layer; drop --speculative")
+    configure_logging(args.log_level)
+    note = f"ninfer serve: synthetic weights of {package.name}: the output text is meaningless"
+    print(note, file=sys.stderr)
+    app = create_app(
+        lambda: announce_capacity(start_synthetic(package.name, config, seed=0).engine, "serve"),
         serve_config(args, package.name, vision=package.has_vision),
         frontend=frontend,
     )

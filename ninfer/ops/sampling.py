@@ -11,10 +11,10 @@ from a 32-bit integer hash of the counter. The hash uses only int64 tensor ops o
 noise bits. (The float transform ``-log(-log(u))`` may differ by an ulp between devices; that can flip
 a draw only when two candidates tie to within one float32 ulp.)
 
-Order of operations in `sample`: penalties -> greedy rows take the argmax -> temperature -> top-k ->
-top-p -> min-p -> Gumbel-max. All per-row work is tensor ops with no host sync and no branching on
-device data, so a decode step that calls `sample` can be captured in a CUDA graph. The only branches
-are on host-side facts fixed when the `SamplingBatch` is built (`candidates`, `all_greedy`).
+Order of operations in `sample`: penalties -> logit bias (when given) -> greedy rows take the argmax ->
+temperature -> top-k -> top-p -> min-p -> Gumbel-max. All per-row work is tensor ops with no host sync
+and no branching on device data, so a decode step that calls `sample` can be captured in a CUDA graph.
+The only branches are on host-side facts fixed when the `SamplingBatch` is built (`candidates`, `all_greedy`).
 
 Filter semantics (value thresholds, so ties never depend on sort order or device):
 - top-k keeps tokens whose value is >= the k-th largest value (ties at the boundary are kept);
@@ -380,6 +380,7 @@ def sample(
     output_counts: torch.Tensor | None = None,
     num_logprobs: int = 0,
     with_logprob: bool = True,
+    logit_bias: torch.Tensor | None = None,
 ) -> SampleResult:
     """Draw one token per row.
 
@@ -389,6 +390,8 @@ def sample(
     Log-probs are those of the raw logits (before penalties, temperature and truncation).
     ``with_logprob=False`` (no row asked for log-probs) skips the full-vocabulary normaliser; the
     returned ``logprob`` is then zeros and ``num_logprobs`` must be 0.
+    ``logit_bias`` [B, V] float32 (``None``: no row has one) is added after the penalties; ``-inf``
+    forbids a token. Like the penalties it changes the draw, not the reported log-probs.
     """
     raw = logits.float()
     vocab = raw.shape[-1]
@@ -396,6 +399,8 @@ def sample(
         penalised = raw
     else:
         penalised = apply_penalties(raw, prompt_mask, output_counts, batch)
+    if logit_bias is not None:
+        penalised = penalised + logit_bias
     tokens = penalised.argmax(dim=-1)
     if not batch.all_greedy:
         temperature = torch.where(batch.greedy, 1.0, batch.temperature.clamp(min=MIN_TEMPERATURE))

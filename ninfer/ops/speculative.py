@@ -67,11 +67,13 @@ def verify_drafts(
     output_counts: torch.Tensor | None = None,
     num_logprobs: int = 0,
     with_logprob: bool = False,
+    logit_bias: torch.Tensor | None = None,
 ) -> VerifyResult:
     """logits [B*T, V] (row-major, any float dtype); drafts [B, K] int64 (K = T - 1, may be 0);
     positions [B] int64, the absolute position of each row's first produced token (its frontier + 1);
     prompt_mask [B, V] / output_counts [B, V]: the plain sampler's penalty inputs (counts of the committed
-    output, the drafts are added per position here). See the module docstring."""
+    output, the drafts are added per position here); logit_bias [B*T, V] (row-major, like logits): added
+    after the penalties, as in `sample`. See the module docstring."""
     rows, k = drafts.shape
     t = k + 1
     vocab = logits.shape[-1]
@@ -94,6 +96,8 @@ def verify_drafts(
             counts = (seen + output_counts.unsqueeze(1)).flatten(0, 1)
         mask = prompt_mask.repeat_interleave(t, dim=0) if prompt_mask is not None else None
         penalised = apply_penalties(raw, mask, counts, steps)
+    if logit_bias is not None:
+        penalised = penalised + logit_bias
     argmax = penalised.argmax(dim=-1).view(rows, t)
     if batch.all_greedy:
         tokens = argmax

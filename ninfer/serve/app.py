@@ -7,6 +7,7 @@ thread during startup; ``/ready`` turns 200 when the Engine reports itself ready
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -18,6 +19,7 @@ from typing import Any, TypeVar, cast
 import anyio.to_thread
 import orjson
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.datastructures import Headers
@@ -33,6 +35,8 @@ from ninfer.serve.gateway import Gateway, ServeConfig
 from ninfer.serve.host import EngineHost, EngineSource, ServeFrontend
 from ninfer.serve.limits import INLINE_PARSE_BYTES, BodyGuardMiddleware, RequestLimits, parse_json_body
 from ninfer.serve.metrics import EngineView, ServeMetrics
+from ninfer.serve.metrics_vllm import VllmAliases
+from ninfer.serve.observability import REQUEST_ID_HEADER, LoadLog, RequestIdMiddleware, kv_used
 from ninfer.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -49,10 +53,12 @@ from ninfer.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    VersionInfo,
 )
 from ninfer.serve.responses import JSONBody
 from ninfer.serve.reuse import RESET_PATHS, reset_prefix_cache
 from ninfer.serve.tokens import TokenHandlers
+from ninfer.version import version
 
 log = logging.getLogger("ninfer.serve")
 T = TypeVar("T")
@@ -190,19 +196,39 @@ def create_app(
 
     gateway = Gateway(config, host, metrics=ServeMetrics(engine_view))
 
+    def describe() -> dict[str, Any]:
+        """What the ``ready`` log line says about the served Engine."""
+        engine = host.loaded
+        out: dict[str, Any] = {"model": config.model_name, "version": version()}
+        if engine is not None:
+            out.update(
+                purpose=engine.config.purpose,
+                max_context=engine.max_context,
+                max_concurrency=engine.config.max_concurrency,
+                device=engine.config.device,
+            )
+        return out
+
+    load_log = LoadLog(host, gateway.metrics, describe, interval_s=config.log_interval_s)
+    gateway.metrics.registry.register(
+        VllmAliases(gateway.metrics, config.model_name, lambda: kv_used(host.loaded))
+    )
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         host.start()
+        logging_task = asyncio.get_running_loop().create_task(load_log.run())
         try:
             yield
         finally:
+            logging_task.cancel()
             await host.aclose()
 
     limits = config.limits
     app = FastAPI(
         title="NInfer",
         summary="OpenAI-compatible HTTP gateway over one NInfer Engine",
-        version="0.1.0",
+        version=version(),
         lifespan=lifespan,
     )
     app.state.gateway = gateway
@@ -254,12 +280,17 @@ def create_app(
     # exclude_unset: the scoring fields appear only on a causal_scoring server's card
     @authed.get("/v1/models", response_model=ModelList, response_model_exclude_unset=True)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in gateway.model_names]}
 
     @authed.get("/v1/models/{model}", response_model=ModelCard, response_model_exclude_unset=True)
     async def get_model(model: str) -> dict[str, Any]:
         gateway.check_model(model)
-        return model_card()
+        return model_card(model)
+
+    @authed.get("/version", response_model=VersionInfo)
+    async def get_version() -> dict[str, Any]:
+        """NInfer's version (``ninfer --version``)."""
+        return {"version": version()}
 
     @authed.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -283,9 +314,9 @@ def create_app(
 
     started = int(time.time())
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         card: dict[str, Any] = {
-            "id": config.model_name,
+            "id": name,
             "object": "model",
             "created": started,
             "owned_by": config.owned_by,
@@ -321,10 +352,23 @@ def create_app(
             on_reject=lambda path: gateway.count(path, "unauthorized"),
             open_paths=OPEN_PATHS | ({METRICS_PATH} if config.public_metrics else set()),
         )
-    app.add_middleware(  # outermost: the size and time bounds run from the headers, before the key check
+    app.add_middleware(  # the size and time bounds run from the headers, before the key check
         BodyGuardMiddleware,
         max_bytes=limits.max_body_bytes,
         timeout_s=limits.body_timeout_s,
         on_reject=lambda path: gateway.count(path, "invalid"),
     )
+    if config.allowed_origins:  # before the key check: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=[REQUEST_ID_HEADER, "Retry-After"],
+            max_age=600,
+        )
+    # outermost, outside Starlette's own error layer too: every answer carries its X-Request-Id, a 500
+    # from an unforeseen error included
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestIdMiddleware(build_stack())  # type: ignore[method-assign]
     return app

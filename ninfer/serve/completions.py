@@ -1,6 +1,7 @@
 """``POST /v1/completions``: raw prompts (text or token ids, one or a batch) -> text completions.
 
-On a ``generation`` server each prompt is one Engine request (``n`` is 1). ``echo`` prepends the prompt
+On a ``generation`` server each choice is one Engine request: ``n`` per prompt (choice ``i * n + j`` is
+prompt i's j-th sample, with ``seed + j``). ``echo`` prepends the prompt
 text. Prompt log-probs (``echo`` with ``logprobs``, ``max_tokens`` 0, or 1 to append the greedy next
 token) are answered by a ``causal_scoring`` server through ``Engine.score`` -- the request shape
 lm-eval-harness ``local-completions`` uses for log-likelihoods.
@@ -8,7 +9,6 @@ lm-eval-harness ``local-completions`` uses for log-likelihoods.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import secrets
 import time
@@ -26,6 +26,8 @@ from ninfer.serve.convert import (
     bad_request,
     check_common,
     check_token_ids,
+    choice_seeds,
+    choices_of,
     sampling_kwargs,
     usage_dict,
 )
@@ -39,13 +41,13 @@ from ninfer.serve.streaming import (
     ClientGone,
     EventStreamResponse,
     all_or_none,
+    merged,
     sse,
     unless_disconnected,
 )
 from ninfer.types import (
     GenerationDelta,
     GenerationRequest,
-    GenerationResult,
     NInferError,
     ScoreResult,
     TokenLogprob,
@@ -102,8 +104,6 @@ class CompletionsHandler:
             )
         if body.best_of not in (None, 1):
             raise bad_request(f"best_of={body.best_of} is not supported; send best_of 1", "best_of")
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported; remove it", "logit_bias")
         prompts = prompts_of(body)
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
@@ -138,11 +138,12 @@ class CompletionsHandler:
         request: Request,
     ) -> Response:
         engine = self.gateway.host.engine()
+        n = choices_of(body, engine.config.max_concurrency)
         capacity = engine.config.max_concurrency + engine.config.queue_capacity
-        if len(prompts) > capacity:  # the Engine could never hold them all at once: retrying cannot help
+        if len(prompts) * n > capacity:  # the Engine could never hold them all at once: retrying cannot help
             raise bad_request(
-                f"{len(prompts)} prompts in one request exceed this server's capacity of {capacity} requests "
-                "(max_concurrency + queue_capacity); send at most that many per request",
+                f"{len(prompts)} prompts x n={n} in one request exceed this server's capacity of {capacity} "
+                "requests (max_concurrency + queue_capacity); send at most that many choices per request",
                 "prompt",
             )
         sampling = sampling_kwargs(body)
@@ -155,17 +156,20 @@ class CompletionsHandler:
                 run.close()
 
         try:
+            # choice i * n + j: prompt i's j-th independent sample (seed + j)
             for i, prompt in enumerate(prompts):
-                req = GenerationRequest(
-                    prompt=prompt,
-                    max_tokens=max_tokens,
-                    logprobs=body.logprobs is not None,
-                    top_logprobs=top,
-                    **sampling,
-                    **reuse,
-                )
-                runs.append(await self.gateway.submit(req, ENDPOINT, prompt_param(prompts, i)))
-            echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
+                for seed in choice_seeds(sampling["seed"], n):
+                    req = GenerationRequest(
+                        prompt=prompt,
+                        max_tokens=max_tokens,
+                        logprobs=body.logprobs is not None,
+                        top_logprobs=top,
+                        **{**sampling, "seed": seed},
+                        **reuse,
+                    )
+                    runs.append(await self.gateway.submit(req, ENDPOINT, prompt_param(prompts, i)))
+            texts = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
+            echoes = [text for text in texts for _ in range(n)]
             if body.stream:
                 await unless_disconnected(request, all_or_none(r.wait_start() for r in runs))
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -264,9 +268,14 @@ class CompletionsHandler:
             raise bad_request("max_tokens 0 generates nothing to stream; send stream: false", "stream")
         ids = await self._prompt_ids(prompts)
         echoes = await self._echo_texts(prompts) if body.echo else [""] * len(prompts)
-        choices = [self._choice(i, echoes[i], "", "", None, "length") for i in range(len(prompts))]
+        n = body.n or 1  # n identical empty choices per prompt
+        choices = [
+            self._choice(i * n + j, echoes[i], "", "", None, "length")
+            for i in range(len(prompts))
+            for j in range(n)
+        ]
         self.gateway.count(ENDPOINT, "length")
-        usage = usage_dict(sum(len(i) for i in ids), 0)
+        usage = usage_dict(n * sum(len(i) for i in ids), 0)
         return JSONBody(self._body(meta, choices, usage))
 
     async def _chunks(
@@ -308,7 +317,7 @@ class CompletionsHandler:
             if echo:
                 yield chunk(i, echo)
         usages: list[Usage] = []
-        async for index, event in _merged(runs):
+        async for index, event in merged(runs):
             if isinstance(event, GenerationDelta):
                 if event.text or event.reasoning_text or (logprobs and event.logprobs):
                     lps = event.logprobs if logprobs else None
@@ -347,6 +356,8 @@ class CompletionsHandler:
             )
         if body.stream:
             raise bad_request("scoring answers in one piece; send stream: false", "stream")
+        if body.n not in (None, 1):
+            raise bad_request("scoring has one answer per prompt; send n: 1", "n")
         if max_tokens == 1:
             self._check_greedy_token(body)
         score = functools.partial(engine.score, top_n=body.logprobs, next_token=max_tokens == 1)
@@ -419,33 +430,3 @@ class CompletionsHandler:
             },
             "finish_reason": finish,
         }
-
-
-async def _merged(runs: list[EngineRun]) -> AsyncIterator[tuple[int, GenerationDelta | GenerationResult]]:
-    """Events of several runs as they arrive, tagged with the run's index; ends after every result."""
-    if len(runs) == 1:
-        async for event in runs[0].events():
-            yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, GenerationDelta | GenerationResult | BaseException]] = asyncio.Queue()
-
-    async def pump(index: int, run: EngineRun) -> None:
-        try:
-            async for event in run.events():
-                queue.put_nowait((index, event))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
-    try:
-        remaining = len(runs)
-        while remaining:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, GenerationResult):
-                remaining -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()

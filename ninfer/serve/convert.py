@@ -12,6 +12,7 @@ from typing import Any
 from ninfer.serve.errors import ServeError
 from ninfer.serve.host import ServeFrontend
 from ninfer.serve.protocol import (
+    SEED_LIMIT,
     AssistantMessage,
     ChatMessage,
     ContentPart,
@@ -25,9 +26,16 @@ from ninfer.serve.protocol import (
 )
 from ninfer.types import NEUTRAL_SAMPLING, GenerationRequest, NInferError, RequestRejected, TokenLogprob
 
+# vLLM/SGLang constrained-decoding fields (protocol.ConstrainedFields), refused by name for now
+CONSTRAINED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 # keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
-BOOL_TEMPLATE_KWARGS = ("enable_thinking", "preserve_thinking", "add_generation_prompt")
+BOOL_TEMPLATE_KWARGS = (
+    "enable_thinking",
+    "preserve_thinking",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 # roles whose messages may hold images (the chat template refuses them in system messages)
 IMAGE_ROLES = ("user", "tool")
 
@@ -51,7 +59,39 @@ def sampling_kwargs(body: SamplingFields) -> dict[str, Any]:
     out["ignore_eos"] = bool(body.ignore_eos)
     out["skip_special_tokens"] = True if body.skip_special_tokens is None else body.skip_special_tokens
     out["include_stop_str_in_output"] = bool(body.include_stop_str_in_output)
+    out["logit_bias"] = logit_bias(body.logit_bias)
+    out["min_tokens"] = body.min_tokens or 0
     return out
+
+
+def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as token id -> bias."""
+    if not bias:
+        return None
+    bad = next((key for key in bias if not (key.isascii() and key.isdigit())), None)
+    if bad is not None:
+        raise bad_request(f'logit_bias keys must be token ids such as "258", got {bad!r}', "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def choices_of(body: SamplingFields, max_concurrency: int) -> int:
+    """``n``: independent choices of one prompt, at most the server's lanes (they run side by side);
+    with a ``seed`` choice i samples with ``seed + i``, which must stay below 2**63."""
+    n = body.n or 1
+    if n > max_concurrency:
+        raise bad_request(
+            f"n={n} exceeds this server's max_concurrency of {max_concurrency} (the choices run side by "
+            f"side); send n <= {max_concurrency}, or several requests",
+            "n",
+        )
+    if body.seed is not None and body.seed + n - 1 >= SEED_LIMIT:
+        raise bad_request("seed + n - 1 must be below 2**63 (choice i samples with seed + i)", "seed")
+    return n
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Choice i's seed: ``seed + i`` (a fresh one per choice without a seed)."""
+    return [None if seed is None else seed + i for i in range(n)]
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
@@ -67,12 +107,21 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
 def check_common(body: SamplingFields, vocab_size: int) -> None:
     """Fields every generating endpoint refuses the same way."""
     check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
-    if body.n not in (None, 1):
+    check_token_ids(sorted(logit_bias(body.logit_bias) or ()), vocab_size, "logit_bias")
+    if body.prompt_logprobs is not None:
         raise bad_request(
-            f"n={body.n} is not supported: NInfer returns one choice per request; send n=1 (or several "
-            "requests)",
-            "n",
+            "prompt_logprobs: log-probs of the prompt's own tokens come from the scoring purpose; start a "
+            "server with --purpose causal_scoring and send POST /v1/completions with echo: true, logprobs: "
+            "N, max_tokens: 0 (docs/cli-and-http.md, Prompt log-probs)",
+            "prompt_logprobs",
         )
+    for name in CONSTRAINED_FIELDS:
+        if getattr(body, name, None) is not None:
+            raise bad_request(
+                f"{name} needs constrained decoding, which this server does not do yet; describe the format "
+                "in the prompt, or remove the field",
+                name,
+            )
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only valid with stream: true", "stream_options")
 
@@ -238,6 +287,8 @@ _REQUEST_FIELDS = (
     "stop",
     "top_logprobs",
     "thinking_budget",
+    "logit_bias",
+    "min_tokens",
     "tools",
     "messages",
     "prompt",

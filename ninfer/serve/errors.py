@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from ninfer.serve.observability import current_request_id
 from ninfer.types import EngineFailed, NInferError, RequestFailed, RequestRejected
 
 ERROR_TYPES: dict[int, str] = {
@@ -87,7 +88,11 @@ def error_body(
     status: int, message: str, *, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    error: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
+    request_id = current_request_id.get()
+    if request_id is not None:  # the X-Request-Id of the answer (ninfer.serve.observability)
+        error["request_id"] = request_id
+    return {"error": error}
 
 
 def from_engine_error(exc: NInferError, retry_after_s: int, param: str | None = None) -> ServeError:
@@ -124,6 +129,12 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
             lines.append(f"the body is not valid JSON ({detail}); send a JSON object")
             continue
         first = first or where
+        if err.get("type") == "extra_forbidden":  # a closed list: a field NInfer does not take is refused
+            lines.append(
+                f"{where}: unknown field; this endpoint does not take it (docs/cli-and-http.md lists the "
+                "fields it takes); remove it"
+            )
+            continue
         lines.append(f"{where}: {err.get('msg', 'invalid value')}")
     if len(errors) > 8:
         lines.append(f"... and {len(errors) - 8} more problems")

@@ -9,6 +9,7 @@ its metrics end when the Engine has released its lane.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from ninfer.serve.host import EngineHost
 from ninfer.serve.images import ImageInput
 from ninfer.serve.limits import RequestLimits
 from ninfer.serve.metrics import RequestTracker, ServeMetrics
+from ninfer.serve.observability import current_request_id, fields
 from ninfer.types import (
     GenerationDelta,
     GenerationRequest,
@@ -28,6 +30,8 @@ from ninfer.types import (
     GenerationStart,
     NInferError,
 )
+
+log = logging.getLogger("ninfer.serve")
 
 COUNTED_ENDPOINTS = frozenset(
     {
@@ -39,6 +43,7 @@ COUNTED_ENDPOINTS = frozenset(
         "/tokenizer_info",
         "/reset_prefix_cache",
         "/flush_cache",
+        "/version",
     }
 )
 
@@ -60,6 +65,9 @@ class ServeConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     public_metrics: bool = False
     images: ImageInput = field(default_factory=ImageInput)  # image_url parts (ninfer.serve.images)
+    model_aliases: tuple[str, ...] = ()  # more names clients may send as `model` (--served-model-name a b)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    log_interval_s: float = 10.0  # seconds between two `load` log lines while busy
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -90,7 +98,7 @@ class Gateway:
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is absent or the served name (OpenAI ``model_not_found``)."""
-        if model is not None and model != self.config.model_name:
+        if model is not None and model not in self.model_names:
             raise ServeError(
                 404,
                 f"model {model!r} does not exist here; this server serves {self.config.model_name!r} "
@@ -99,11 +107,17 @@ class Gateway:
                 param="model",
             )
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the served model answers to; the first is the one answers report."""
+        return (self.config.model_name, *self.config.model_aliases)
+
     def count(self, endpoint: str, outcome: str) -> None:
         """Count a request that never reached the Engine. Unknown paths share one label, so clients
         cannot grow the metric's label set."""
         label = endpoint if endpoint in COUNTED_ENDPOINTS else "other"
         self.metrics.requests.labels(label, outcome).inc()
+        log.debug("request %s", fields(id=current_request_id.get(), endpoint=endpoint, outcome=outcome))
 
     async def submit(self, request: GenerationRequest, endpoint: str, param: str) -> EngineRun:
         """Submit on a worker thread (the size bound is checked and the Frontend tokenizes and renders

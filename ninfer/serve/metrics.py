@@ -13,6 +13,7 @@ rounds and, per draft position, the rounds that kept the draft there.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from ninfer.runtime.engine.context_cache import CacheStats
+from ninfer.serve.observability import current_request_id, fields
 from ninfer.types import Usage, parse_speculative
+
+log = logging.getLogger("ninfer.serve")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -76,7 +80,8 @@ class ServeMetrics:
             registry=r,
         )
         self.engine_ready = Gauge("ninfer_engine_ready", "1 while the Engine is available", registry=r)
-        r.register(EngineCacheCollector(engine_view or (lambda: None), self.speculative))
+        self.engine_cache = EngineCacheCollector(engine_view or (lambda: None), self.speculative)
+        r.register(self.engine_cache)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -99,6 +104,7 @@ class RequestTracker:
         self.phase: Phase = "new"
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
+        self.request_id = current_request_id.get()  # read here: a drain task may finish the request
 
     def queued(self) -> None:
         with self._lock:
@@ -139,6 +145,20 @@ class RequestTracker:
         self._m.e2e.observe(now - self.arrival)
         if usage is not None and self.first_token_at is not None and usage.completion_tokens > 1:
             self._m.tpot.observe((now - self.first_token_at) / (usage.completion_tokens - 1))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s",
+                fields(
+                    id=self.request_id,
+                    endpoint=self._endpoint,
+                    outcome=outcome,
+                    prompt_tokens=usage.prompt_tokens if usage is not None else None,
+                    cached_tokens=usage.reused_prefix_tokens if usage is not None else None,
+                    completion_tokens=usage.completion_tokens if usage is not None else None,
+                    ttft_s=self.first_token_at - self.arrival if self.first_token_at is not None else None,
+                    e2e_s=now - self.arrival,
+                ),
+            )
 
 
 class SpeculativeTotals:

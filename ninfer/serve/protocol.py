@@ -1,9 +1,13 @@
 """OpenAI-compatible request and response schemas (pydantic), the single source of the OpenAPI document.
 
 Requests are validated here for shape and ranges; every violation becomes a 400 in the OpenAI error
-shape (see ``errors.py``). Unknown top-level fields that OpenAI clients send (``user``, ``metadata``,
-``store``, ...) are accepted and ignored, as vLLM does. Semantic checks that need the model (context
-length, vocabulary, template) happen in the Engine/Frontend and come back as ``RequestRejected``.
+shape (see ``errors.py``). A request's top-level fields are a closed list: an unknown one is a 400
+naming it (``extra="forbid"``), so no field is ever silently ignored, except the few bookkeeping fields
+OpenAI clients send that cannot change the answer (``ClientFields``: ``user``, ``metadata``, ``store``,
+...), accepted and ignored. Nested objects (messages, tools) ignore unknown keys: clients echo back the
+assistant messages they received, with fields such as ``refusal`` and ``annotations``. Semantic checks
+that need the model (context length, vocabulary, template) happen in the Engine/Frontend and come back
+as ``RequestRejected``.
 
 Response models document the wire format in ``/openapi.json``; handlers build the same dicts directly
 (tests validate real responses against these models so the two cannot drift).
@@ -140,7 +144,38 @@ class ResponseFormat(_Model):
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(_Model):
+class _Request(_Model):
+    """A request body: unknown top-level fields are refused (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+IGNORED = "accepted and ignored (bookkeeping that cannot change the answer)"
+
+
+class ClientFields(_Request):
+    """Fields OpenAI clients send that NInfer accepts and ignores."""
+
+    user: Any = Field(None, description=IGNORED)
+    metadata: Any = Field(None, description=IGNORED)
+    store: Any = Field(None, description=IGNORED)
+    service_tier: Any = Field(None, description=IGNORED)
+    safety_identifier: Any = Field(None, description=IGNORED)
+    prompt_cache_key: Any = Field(None, description=IGNORED)
+    priority: Any = Field(None, description=IGNORED + "; vLLM's scheduling priority, NInfer's queue is FIFO")
+
+
+class ConstrainedFields(_Request):
+    """vLLM/SGLang constrained-decoding fields: known, so they are refused by name (structured outputs)."""
+
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+
+class SamplingFields(ClientFields, ConstrainedFields):
     """Sampling fields shared by chat and completions (vLLM conventions for the extensions)."""
 
     temperature: float | None = Field(None, ge=0, description="0 = greedy")
@@ -156,7 +191,18 @@ class SamplingFields(_Model):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    n: int | None = Field(None, ge=1, description="only 1 is supported")
+    n: int | None = Field(
+        None, ge=1, description="independent choices of one prompt, up to the server's max_concurrency"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="end-of-sequence and stop tokens held back until then"
+    )
+    prompt_logprobs: int | None = Field(
+        None, description="refused: prompt log-probs come from causal_scoring"
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     model: str | None = None
@@ -174,6 +220,16 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = Field(None, ge=1, description="cap on reasoning tokens, >= 1 (extension)")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="none: thinking off (enable_thinking false); any other value: thinking on"
+    )
+    continue_final_message: bool | None = Field(
+        None, description="continue the final assistant message instead of starting a new one (vLLM)"
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM: default true; false with continue_final_message"
+    )
+    chat_template: str | None = Field(None, description="refused: the package's own template is used")
 
 
 PromptInput = str | list[TokenId] | list[str] | list[Annotated[list[TokenId], Field(min_length=1)]]
@@ -185,8 +241,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
-    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1, description="only 1 (n independent samples: use n)")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -201,7 +256,7 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Request):
     """Either ``prompt`` (raw text) or ``messages`` (rendered with the chat template)."""
 
     model: str | None = None
@@ -214,7 +269,7 @@ class TokenizeRequest(_Model):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -229,6 +284,7 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    request_id: str | None = None  # the answer's X-Request-Id
 
 
 class ErrorResponse(BaseModel):
@@ -397,3 +453,7 @@ class PrefixCacheReset(BaseModel):
 class ReadyResponse(BaseModel):
     status: str
     reason: str | None = None
+
+
+class VersionInfo(BaseModel):
+    version: str

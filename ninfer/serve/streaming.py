@@ -9,14 +9,19 @@ handlers race their work against ``wait_disconnect``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from ninfer.types import GenerationDelta, GenerationResult
+
+if TYPE_CHECKING:
+    from ninfer.serve.gateway import EngineRun
 
 T = TypeVar("T")
 
@@ -113,3 +118,33 @@ class EventStreamResponse(Response):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+
+
+async def merged(runs: Sequence[EngineRun]) -> AsyncIterator[tuple[int, GenerationDelta | GenerationResult]]:
+    """Events of several runs as they arrive, tagged with the run's index; ends after every result."""
+    if len(runs) == 1:
+        async for event in runs[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationDelta | GenerationResult | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, run: EngineRun) -> None:
+        try:
+            async for event in run.events():
+                queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerationResult):
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

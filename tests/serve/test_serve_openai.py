@@ -230,7 +230,7 @@ def test_models_and_tokenizer_endpoints(
 @pytest.mark.parametrize(
     ("body", "status", "code", "says"),
     [
-        ({"messages": MESSAGES, "n": 2}, 400, "invalid_request", "n=2"),
+        ({"messages": MESSAGES, "n": 9}, 400, "invalid_request", "n=9 exceeds"),
         (
             {
                 "messages": [

@@ -175,6 +175,7 @@ class CheckpointEntry:
 
 
 _PENALTY_LIMIT = 2.0  # OpenAI / vLLM range for presence and frequency penalties
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -207,10 +208,21 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits after the penalties (OpenAI ``logit_bias``, -100..100)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # ``min_tokens_ids`` (end-of-sequence and stop token ids) cannot be drawn for the first ``min_tokens``
+    # output tokens: output token k is drawn at absolute position len(prompt) + k
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def biased(self) -> bool:
+        """A logit bias or a min_tokens hold: the sampler adds a bias row (no graph argmax shortcut)."""
+        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ids))
 
     @property
     def penalised(self) -> bool:
@@ -237,6 +249,22 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -_PENALTY_LIMIT <= value <= _PENALTY_LIMIT:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        for pair in self.logit_bias:
+            if (
+                not isinstance(pair, tuple)
+                or len(pair) != 2
+                or not _is_int(pair[0])
+                or pair[0] < 0
+                or not _is_number(pair[1])
+                or not -LOGIT_BIAS_LIMIT <= pair[1] <= LOGIT_BIAS_LIMIT
+            ):
+                raise ValueError(
+                    f"logit_bias entries must be (token id >= 0, bias in [-100, 100]), got {pair!r}"
+                )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if any(not _is_int(t) or t < 0 for t in self.min_tokens_ids):
+            raise ValueError(f"min_tokens_ids must be token ids >= 0, got {self.min_tokens_ids!r}")
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 

@@ -378,8 +378,12 @@ class Engine:
                 f"the model's generation config has invalid sampling defaults ({'; '.join(problems)}); "
                 "give these fields in the request",
             )
+        bias, held = self._bias(request)
         return SamplingParams(
             seed=seed,
+            logit_bias=bias,
+            min_tokens=request.min_tokens if held else 0,
+            min_tokens_ids=held,
             temperature=float(resolved["temperature"]),
             top_p=float(resolved["top_p"]),
             top_k=max(0, resolved["top_k"]),
@@ -388,6 +392,24 @@ class Engine:
             frequency_penalty=float(resolved["frequency_penalty"]),
             repetition_penalty=float(resolved["repetition_penalty"]),
         )
+
+    def _bias(self, request: GenerationRequest) -> tuple[tuple[tuple[int, float], ...], tuple[int, ...]]:
+        """The request's logit bias as sorted (id, bias) pairs, checked against the vocabulary, and the
+        ids ``min_tokens`` holds back: end-of-sequence (unless ``ignore_eos``) and ``stop_token_ids``."""
+        if not request.logit_bias and not request.min_tokens:
+            return (), ()
+        vocab = int(getattr(self._frontend, "vocab_size", 0)) or None
+        bias = tuple(sorted((int(t), float(v)) for t, v in (request.logit_bias or {}).items()))
+        outside = [t for t, _ in bias if vocab is not None and t >= vocab]
+        if outside:
+            raise RequestRejected(
+                "invalid_request", f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            )
+        held: tuple[int, ...] = ()
+        if request.min_tokens:
+            eos = () if request.ignore_eos else tuple(getattr(self._frontend, "eos_token_ids", ()))
+            held = tuple(sorted({t for t in (*eos, *request.stop_token_ids) if vocab is None or t < vocab}))
+        return bias, held
 
     @staticmethod
     def _output_options(request: GenerationRequest) -> OutputOptions:

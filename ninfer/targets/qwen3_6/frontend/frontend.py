@@ -50,6 +50,9 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+END_OF_TURN = "<|im_end|>"  # how the chat template ends every message
+
+
 class Frontend:
     def __init__(
         self,
@@ -120,19 +123,34 @@ class Frontend:
         add_generation_prompt: bool = True,
         enable_thinking: bool = True,
         preserve_thinking: bool | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """The chat template's text. ``preserve_thinking=None`` leaves it undefined: the 3.6 template then
-        drops past reasoning, the 3.8 template keeps it (their own defaults). Raises ChatTemplateError."""
+        drops past reasoning, the 3.8 template keeps it (their own defaults). ``continue_final_message``
+        (vLLM's meaning): the final message, an assistant one, is left open (its end of turn cut) for
+        the model to continue; there is no generation prompt then. Raises ChatTemplateError, or
+        ValueError for a continuation the conversation cannot have."""
         if preserve_thinking is not None:
             template_kwargs["preserve_thinking"] = preserve_thinking
-        return self.chat_template.render(
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message cannot be used with add_generation_prompt")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs an assistant message last, to continue it")
+        text = self.chat_template.render(
             _split_images(messages, strict=False)[0],  # a decoded image renders as its vision tokens
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             **template_kwargs,
         )
+        if continue_final_message:
+            end = text.rstrip("\n")
+            if not end.endswith(END_OF_TURN):
+                raise ValueError(f"the chat template does not end the final message with {END_OF_TURN}")
+            text = end[: -len(END_OF_TURN)]
+        return text
 
     # ---- prompts ------------------------------------------------------------------------------
     def prepare_text(self, text: str) -> PreparedPrompt:

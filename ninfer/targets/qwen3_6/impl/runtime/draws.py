@@ -98,6 +98,12 @@ class Sampler:
         self.output_counts = torch.zeros(max_sequences, vocab_size, dtype=torch.int32, device=device)
         self._batch: SamplingBatch | None = None  # the last draw's rows' settings (see `settings`)
         self._rows: tuple[SequenceHandle, ...] = ()
+        # logit bias and min_tokens holds, one row per sequence index: allocated at the first biased
+        # sequence, read only by draws that hold a biased row (the others keep the graph argmax)
+        self._max_sequences, self._vocab_size = max_sequences, vocab_size
+        self.bias: torch.Tensor | None = None  # [S, V] float32, the request's logit_bias
+        self.held: torch.Tensor | None = None  # [S, V] bool, the ids min_tokens holds back
+        self.held_until: torch.Tensor | None = None  # [S] int64: positions before it hold them back
 
     def start(self, seq: SequenceState) -> None:
         """A new sequence at its index: its penalty rows from its prompt (only when it is penalised)."""
@@ -106,6 +112,47 @@ class Sampler:
             self.prompt_mask[index].zero_()
             self.prompt_mask[index, torch.tensor(seq.prompt, device=self.device)] = True
             self.output_counts[index].zero_()
+
+        if seq.sampling.biased or self.bias is not None:  # a plain row's index may hold an old bias
+            self._start_bias(seq)
+
+    def _start_bias(self, seq: SequenceState) -> None:
+        if self.bias is None:
+            shape, device = (self._max_sequences, self._vocab_size), self.device
+            self.bias = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.held = torch.zeros(shape, dtype=torch.bool, device=device)
+            self.held_until = torch.zeros(self._max_sequences, dtype=torch.int64, device=device)
+        assert self.held is not None and self.held_until is not None
+        index, sampling = seq.handle.index, seq.sampling
+        self.bias[index].zero_()
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            self.bias[index, torch.tensor(ids, device=self.device)] = torch.tensor(
+                values, dtype=torch.float32, device=self.device
+            )
+        self.held[index].zero_()
+        self.held_until[index] = 0
+        if sampling.min_tokens and sampling.min_tokens_ids:
+            self.held[index, torch.tensor(sampling.min_tokens_ids, device=self.device)] = True
+            self.held_until[index] = len(seq.prompt) + sampling.min_tokens
+
+    def logit_bias(
+        self, seqs: Sequence[SequenceState], index: torch.Tensor, positions: torch.Tensor, tokens: int = 1
+    ) -> torch.Tensor | None:
+        """The rows' bias [B * tokens, V] for draws at ``positions`` (the first of each row's ``tokens``
+        positions, [B]), or ``None`` when no row is biased: a logit_bias, and ``-inf`` on the held ids at
+        positions before ``held_until`` (min_tokens). ``None`` costs the plain rows nothing."""
+        if not any(_biased(s) for s in seqs):
+            return None
+        assert self.bias is not None and self.held is not None and self.held_until is not None
+        bias, held, until = self.bias[index], self.held[index], self.held_until[index]
+        if tokens > 1:
+            bias, held, until = (t.repeat_interleave(tokens, dim=0) for t in (bias, held, until))
+            offsets = torch.arange(tokens, device=positions.device).repeat(len(seqs))
+            positions = positions.repeat_interleave(tokens) + offsets
+        if any(s.sampling.min_tokens > len(s.generated) for s in seqs):
+            bias = bias.masked_fill(held & (positions < until).unsqueeze(1), float("-inf"))
+        return bias
 
     def count(self, seq: SequenceState, tokens: Sequence[int]) -> None:
         """Committed output tokens join the sequence's output counts (penalised sequences only)."""
@@ -132,7 +179,8 @@ class Sampler:
         penalised = any(s.penalised for s in seqs)
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
-        if run.greedy is not None and batch.all_greedy and not penalised and not want_logprobs:
+        biased = any(_biased(s) for s in seqs)
+        if run.greedy is not None and batch.all_greedy and not (penalised or want_logprobs or biased):
             result = None  # exactly the sampler's tokens then: the argmax of the raw logits
             drawn = run.greedy
         else:
@@ -148,6 +196,7 @@ class Sampler:
                 output_counts=self.output_counts[index] if penalised else None,
                 num_logprobs=top_n,
                 with_logprob=want_logprobs,
+                logit_bias=self.logit_bias(seqs, index, fields.context_lens) if biased else None,
             )
             drawn = result.tokens
         return Queued.copy_back(drawn, result, want_logprobs, top_n > 0)  # log-probs: only by the sampler
@@ -169,15 +218,17 @@ class Sampler:
         if self.device.type == "cuda":
             draft_ids = draft_ids.pin_memory()
         draft_ids = draft_ids.to(self.device, non_blocking=True)
+        first = fields.context_lens - (tokens_per_row - 1)  # each row's first produced position: frontier + 1
         result = verify_drafts(
             run.logits,
             draft_ids.view(len(seqs), tokens_per_row - 1),
             batch,
-            fields.context_lens - (tokens_per_row - 1),  # each row's first produced position: frontier + 1
+            first,
             prompt_mask=self.prompt_mask[index] if penalised else None,
             output_counts=self.output_counts[index] if penalised else None,
             num_logprobs=top_n,
             with_logprob=want_logprobs,
+            logit_bias=self.logit_bias(seqs, index, first, tokens_per_row),
         )
 
         def host(t: torch.Tensor) -> torch.Tensor:
@@ -218,6 +269,15 @@ class QueuedVerify:
             host(self.tokens), host(self.accepted), host(self.logprob), host(self.top_ids),
             host(self.top_logprobs),
         )  # fmt: skip
+
+
+def _biased(seq: SequenceState) -> bool:
+    """The row needs a bias now: a logit_bias, or min_tokens not yet reached (by the committed count, which
+    may lag a queued lookahead; the device test by position is exact)."""
+    sampling = seq.sampling
+    return bool(sampling.logit_bias) or (
+        bool(sampling.min_tokens_ids) and sampling.min_tokens > len(seq.generated)
+    )
 
 
 def gather_rows(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
