@@ -98,18 +98,10 @@ def configure_logging(level: str) -> None:
 
 
 def kv_used(engine: Any) -> float | None:
-    """The fraction of the Engine's KV pages in use (by requests or held by cached checkpoints), when
-    its Program exposes a page pool; ``None`` otherwise."""
-    pages = engine
-    try:
-        for name in ("core", "program", "book", "pages"):
-            pages = getattr(pages, name, None)
-    except Exception:  # noqa: BLE001 - a scoring Engine has no generation core
-        return None
-    size = getattr(pages, "size", 0)
-    if not size:
-        return None
-    return 1.0 - pages.free_count / size
+    """The fraction of the Engine's KV pages in use (by requests or held by cached checkpoints), or
+    ``None`` (no Engine loaded, a scoring Engine, a Program that does not count its pages)."""
+    usage = getattr(engine, "kv_cache_usage", None)
+    return usage() if usage is not None else None
 
 
 class LoadLog:

@@ -208,7 +208,9 @@ def test_reset_and_opt_out() -> None:
         opted_out = engine.generate(request(prefix_cache=False))
         assert opted_out.usage.reused_prefix_tokens == 0
         held = engine.cache_stats().checkpoints
+        assert engine.kv_cache_usage() > 0  # the checkpoints' pages, nothing running
         assert engine.reset_cache() == held and engine.cache_stats().checkpoints == 0
+        assert engine.kv_cache_usage() == 0
         fourth = engine.generate(request())
         assert fourth.usage.reused_prefix_tokens == 0
         stats = engine.cache_stats()

@@ -288,6 +288,15 @@ class Engine:
             memory_plan=cap.memory_plan,
         )
 
+    def kv_cache_usage(self) -> float | None:
+        """The fraction of the KV pool's pages held (by requests or cached checkpoints), from any thread;
+        None for a Program that does not count its free pages or an Engine without a generation core."""
+        if self._core is None:
+            return None
+        free = getattr(self._core.program, "kv_pages_free", None)
+        pages = self._core.program.capacity().kv_pages
+        return None if free is None or not pages else 1.0 - free / pages
+
     # ---- the context cache ----
     def cache_stats(self) -> CacheStats:
         """The context cache's counters (checkpoints held, hits, prompt tokens not prefilled, ...)."""

@@ -172,6 +172,11 @@ class Qwen36Program:
     def resource_revision(self) -> int:
         return self.book.revision
 
+    @property
+    def kv_pages_free(self) -> int:
+        """KV pages neither a request nor a checkpoint holds (one counter: readable from any thread)."""
+        return self.book.pages.free_count
+
     def capacity(self) -> ResourceCapacity:
         plan = self.config.memory
         if plan is None:
