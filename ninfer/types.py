@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from ninfer.runtime.contract.constraint import OutputConstraint
 from ninfer.runtime.contract.types import TokenLogprob
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "GenerationStart",
     "NEUTRAL_SAMPLING",
     "NInferError",
+    "OutputConstraint",
     "RejectKind",
     "RequestRejected",
     "ScoreResult",
@@ -231,6 +233,8 @@ class GenerationRequest:
     ``logprobs`` adds the chosen token's logprob, ``top_logprobs`` (0..20) that many alternatives.
     ``thinking_budget`` (>= 1) caps reasoning tokens: the Frontend then forces the end of the thinking
     block. It cannot be 0: the first token is sampled together with the end of the prompt.
+    ``constraint`` (structured outputs, docs/structured-outputs.md): what the output after the reasoning
+    must match (a JSON schema, a regex, a choice, a grammar, tool calls).
     """
 
     prompt: str | Sequence[int] | None = None
@@ -259,6 +263,7 @@ class GenerationRequest:
     # of the cache (it neither continues nor leaves checkpoints)
     session_id: str | None = None
     prefix_cache: bool = True
+    constraint: OutputConstraint | None = None
 
     def problems(self) -> list[str]:
         """Every reason this request cannot be represented, each saying what to change."""
@@ -301,12 +306,33 @@ class GenerationRequest:
         session = self.session_id
         if session is not None and (not isinstance(session, str) or len(session) > 256):
             out.append("session_id must be a string of at most 256 characters")
+        if self.constraint is not None:
+            out.extend(_constraint_problems(self))
         return out
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _constraint_problems(request: GenerationRequest) -> list[str]:
+    constraint = request.constraint
+    if not isinstance(constraint, OutputConstraint):
+        return [f"constraint must be an OutputConstraint, got {type(constraint).__name__}"]
+    name = constraint.field_name
+    out = constraint.problems()
+    if request.ignore_eos:
+        out.append(f"{name}: a constrained output ends when its grammar is complete; drop ignore_eos")
+    if constraint.kind == "tool_call":
+        names = [
+            (t.get("function", t) if isinstance(t, Mapping) else {}).get("name") for t in request.tools or ()
+        ]
+        if not names:
+            out.append(f"{name}: a tool call needs the request's tools; give tools")
+        elif constraint.tool_name is not None and constraint.tool_name not in names:
+            out.append(f"{name}: function {constraint.tool_name!r} is not one of the request's tools {names}")
+    return out
 
 
 def _finite(x: float) -> bool:

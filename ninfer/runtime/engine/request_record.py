@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ninfer.runtime.contract.frontend import OutputSessionLike, PreparedPromptLike
 from ninfer.runtime.contract.types import RequestPlan, RunningTransaction, SequenceHandle, TokenLogprob
+from ninfer.runtime.engine.constraints import RowGuard
 from ninfer.types import (
     FinishReason,
     GenerationDelta,
@@ -239,6 +240,8 @@ class RequestRecord:
     prefix_cache: bool = True
     capture_points: list[int] = field(default_factory=list)
     output_reproducible: bool = False
+    # structured outputs: the guard over the session's grammar matcher (constraints.RowGuard), or None
+    constraint: RowGuard | None = None
 
     @property
     def remaining_budget(self) -> int:
