@@ -197,6 +197,7 @@ def _value(schema: Any) -> str:
             return "(" + " | ".join(json.dumps(v) for v in values) + ") " + json.dumps("\n</parameter>\n")
         return "STRING_VALUE"
     sub = dict(schema) if isinstance(schema, Mapping) else {}
+    sub.setdefault("x-guidance", JSON_OPTIONS)  # the JSON output format of every other constraint
     return f"%json {json.dumps(sub)} " + json.dumps("\n</parameter>\n")
 
 
