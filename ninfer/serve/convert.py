@@ -241,6 +241,14 @@ _REQUEST_FIELDS = (
     "tools",
     "messages",
     "prompt",
+    # structured outputs: a constraint's rejection starts with the field it came from (serve/structured.py)
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "tool_choice",
 )
 
 

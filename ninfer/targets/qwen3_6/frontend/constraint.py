@@ -22,7 +22,8 @@ Tool calls (``tool_call``) are constrained in the Qwen3-Coder XML format that `t
 parses: ``<tool_call>\\n<function=NAME>\\n`` then each parameter as
 ``<parameter=ARG>\\nVALUE\\n</parameter>\\n``
 (required ones always, optional ones may be left out, in the schema's order), ``</function>\\n</tool_call>``.
-A string value is any text without ``</parameter>`` (an enum: one of its values); any other type is
+A string value is any text without ``</parameter>`` (within its ``minLength``/``maxLength``; an enum:
+one of its values); any other type is
 JSON under the parameter's schema, which the parser reads back typed.
 """
 
@@ -161,14 +162,18 @@ def tool_call_lark(tools: Sequence[Mapping[str, Any]] | None, name: str | None, 
         for j, (arg, schema) in enumerate(props.items()):
             rule = f"p{i}_{j}"
             head = json.dumps(f"<parameter={arg}>\n")
-            rules.append(f"{rule}: {head} {_value(schema)}")
+            value = _value(schema)
+            if value.startswith("/"):  # a string's own terminal
+                rules.append(f"STR_{i}_{j}: {value}")
+                value = f"STR_{i}_{j}"
+            rules.append(f"{rule}: {head} {value}")
             params.append(rule if arg in required else f"{rule}?")
         body = " ".join([json.dumps(f"<function={fn}>\n"), *params, json.dumps("</function>")])
         rules.append(f"f{i}: {body}")
         functions.append(f"f{i}")
     call = 'call: <tool_call> "\\n" (' + " | ".join(functions) + ') "\\n" </tool_call>'
     start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
-    return "\n".join([start, call, *rules, f"STRING_VALUE: {_STRING_VALUE}"])
+    return "\n".join([start, call, *rules])
 
 
 def _parameter_schemas(
@@ -195,10 +200,26 @@ def _value(schema: Any) -> str:
         values = schema.get("enum") if isinstance(schema, Mapping) else None
         if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
             return "(" + " | ".join(json.dumps(v) for v in values) + ") " + json.dumps("\n</parameter>\n")
-        return "STRING_VALUE"
+        low, high = _string_length(schema)
+        return (
+            _STRING_VALUE.replace("(?s:.*)", f"(?s:.{{{low},{high}}})", 1)
+            if high is not None
+            else _STRING_VALUE
+        )
     sub = dict(schema) if isinstance(schema, Mapping) else {}
     sub.setdefault("x-guidance", JSON_OPTIONS)  # the JSON output format of every other constraint
     return f"%json {json.dumps(sub)} " + json.dumps("\n</parameter>\n")
+
+
+def _string_length(schema: Any) -> tuple[int, int | None]:
+    """A string parameter's (minLength, maxLength) when it bounds the length (maxLength None: not)."""
+    if not isinstance(schema, Mapping):
+        return 0, None
+    high, low = schema.get("maxLength"), schema.get("minLength", 0)
+    if not isinstance(high, int) or isinstance(high, bool) or not 0 <= high <= 10_000:
+        return 0, None
+    low = low if isinstance(low, int) and not isinstance(low, bool) and 0 <= low <= high else 0
+    return low, high
 
 
 class GrammarConstraint:
