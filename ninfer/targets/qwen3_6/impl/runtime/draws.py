@@ -83,7 +83,7 @@ class Queued:
             lp = None
             if s.logprobs.enabled:
                 n = s.logprobs.top_n
-                top = tuple(_finite_top(top_ids[i][:n], top_lp[i][:n])) if n else ()
+                top = _finite_top(top_ids[i][:n], top_lp[i][:n]) if n else ()
                 lp = (TokenLogprob(token_id=tokens[i], logprob=chosen[i], top=top),)
             rows.append(PendingRow(s.handle, (tokens[i],), s.frontier, lp, metas[i]))
         return rows
@@ -271,9 +271,9 @@ def gather_rows(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     return tokens.index_select(0, index)
 
 
-def _finite_top(ids: Sequence[int], values: Sequence[float]) -> list[tuple[int, float]]:
+def _finite_top(ids: Sequence[int], values: Sequence[float]) -> tuple[tuple[int, float], ...]:
     """Top alternatives, less the tokens a constrained row's mask ruled out (log-prob -inf)."""
-    return [(t, v) for t, v in zip(ids, values) if v != float("-inf")]
+    return tuple((t, v) for t, v in zip(ids, values) if v != float("-inf"))
 
 
 def forced_logprobs(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> tuple[TokenLogprob, ...]:

@@ -127,7 +127,9 @@ class VerifyRound:
             if s.logprobs.enabled:
                 n = s.logprobs.top_n
                 lp = tuple(
-                    TokenLogprob(tok, logprob[i][j], tuple(_finite_top(top_ids[i][j][:n], top_lp[i][j][:n])))
+                    TokenLogprob(
+                        tok, logprob[i][j], _finite_top(top_ids[i][j][:n], top_lp[i][j][:n]) if n else ()
+                    )
                     for j, tok in enumerate(produced)
                 )
             hits = min(kept, len(produced))
