@@ -121,18 +121,18 @@ def test_json_object_regex_choice_and_grammars_hold(engine: Engine) -> None:
             chat(max_tokens=24, temperature=1.0, seed=seed, constraint=OutputConstraint.cfg(gbnf)),
         ]
     results = run_all(engine, requests)
-    stopped_objects = 0
+    compiler = engine.frontend.constraints  # type: ignore[attr-defined]
     for i in range(0, len(results), 5):
         obj, rx, ch, lk, gb = results[i : i + 5]
-        if obj.finish_reason == "stop":  # any JSON object: this model may write a string longer than the cap
+        if obj.finish_reason == "stop":
             assert isinstance(json.loads(obj.text), dict), obj.text
-            stopped_objects += 1
+        else:  # this model may write a string longer than the cap: the output is a prefix of an object
+            assert compiler.matcher(OutputConstraint.json_object(), None).consume_tokens(list(obj.token_ids))
         assert re.fullmatch(pattern, rx.text), rx.text
         assert ch.text in choices
         assert re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2})*\)", lk.text), lk.text
         assert re.fullmatch(r"x=[0-9]{1,2};", gb.text), gb.text
         assert all(r.finish_reason == "stop" for r in (rx, ch, lk, gb))
-    assert stopped_objects >= 2
 
 
 WEATHER = {
