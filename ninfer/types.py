@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from ninfer.runtime.contract.constraint import OutputConstraint
 from ninfer.runtime.contract.types import TokenLogprob
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "GenerationStart",
     "NEUTRAL_SAMPLING",
     "NInferError",
+    "OutputConstraint",
     "RejectKind",
     "RequestRejected",
     "ScoreResult",
@@ -264,6 +266,8 @@ class GenerationRequest:
     reported log-probs stay the model's. ``min_tokens``: the end-of-sequence tokens (unless
     ``ignore_eos``) and ``stop_token_ids`` cannot be drawn before that many tokens were generated (vLLM's
     meaning; stop strings still apply).
+    ``constraint`` (structured outputs, docs/structured-outputs.md): what the output after the reasoning
+    must match (a JSON schema, a regex, a choice, a grammar, tool calls).
     """
 
     prompt: str | Sequence[int] | None = None
@@ -294,6 +298,7 @@ class GenerationRequest:
     # of the cache (it neither continues nor leaves checkpoints)
     session_id: str | None = None
     prefix_cache: bool = True
+    constraint: OutputConstraint | None = None
 
     def problems(self) -> list[str]:
         """Every reason this request cannot be represented, each saying what to change."""
@@ -341,12 +346,33 @@ class GenerationRequest:
         session = self.session_id
         if session is not None and (not isinstance(session, str) or len(session) > 256):
             out.append("session_id must be a string of at most 256 characters")
+        if self.constraint is not None:
+            out.extend(_constraint_problems(self))
         return out
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _constraint_problems(request: GenerationRequest) -> list[str]:
+    constraint = request.constraint
+    if not isinstance(constraint, OutputConstraint):
+        return [f"constraint must be an OutputConstraint, got {type(constraint).__name__}"]
+    name = constraint.field_name
+    out = constraint.problems()
+    if request.ignore_eos:
+        out.append(f"{name}: a constrained output ends when its grammar is complete; drop ignore_eos")
+    if constraint.kind == "tool_call":
+        names = [
+            (t.get("function", t) if isinstance(t, Mapping) else {}).get("name") for t in request.tools or ()
+        ]
+        if not names:
+            out.append(f"{name}: a tool call needs the request's tools; give tools")
+        elif constraint.tool_name is not None and constraint.tool_name not in names:
+            out.append(f"{name}: function {constraint.tool_name!r} is not one of the request's tools {names}")
+    return out
 
 
 def _finite(x: float) -> bool:

@@ -30,7 +30,7 @@ from ninfer.serve.convert import (
 from ninfer.serve.errors import ServeError
 from ninfer.serve.gateway import EngineRun, Gateway
 from ninfer.serve.images import ImageAcquirer
-from ninfer.serve.protocol import ChatCompletionRequest, NamedToolChoice
+from ninfer.serve.protocol import ChatCompletionRequest
 from ninfer.serve.responses import JSONBody
 from ninfer.serve.reuse import reuse_fields, sum_usage, usage_out
 from ninfer.serve.streaming import (
@@ -42,6 +42,7 @@ from ninfer.serve.streaming import (
     sse,
     unless_disconnected,
 )
+from ninfer.serve.structured import output_constraint
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, ToolCallDelta, Usage
 
 ENDPOINT = "/v1/chat/completions"
@@ -49,21 +50,13 @@ ENDPOINT = "/v1/chat/completions"
 
 def generation_request(body: ChatCompletionRequest, vocab_size: int) -> GenerationRequest:
     check_common(body, vocab_size)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(
-            f"response_format {body.response_format.type!r} needs constrained decoding, which NInfer does "
-            "not do; ask for JSON in the prompt and use response_format text",
-            "response_format",
-        )
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     choice = body.tool_choice
-    if isinstance(choice, NamedToolChoice) or choice == "required":
-        raise bad_request(
-            "tool_choice 'required' or a named function needs constrained decoding, which NInfer does not "
-            "do; use tool_choice 'auto' (the model decides) or 'none'",
-            "tool_choice",
-        )
+    # structured outputs: response_format, guided_*, structured_outputs, tool_choice required / named
+    constraint = output_constraint(
+        body, tool_choice=choice, tools=body.tools, parallel_tool_calls=body.parallel_tool_calls
+    )
     tools = None if choice == "none" else tool_dicts(body.tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerationRequest(
@@ -74,6 +67,7 @@ def generation_request(body: ChatCompletionRequest, vocab_size: int) -> Generati
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         thinking_budget=body.thinking_budget,
+        constraint=constraint,
         **sampling_kwargs(body),
     )
 

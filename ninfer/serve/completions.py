@@ -45,6 +45,7 @@ from ninfer.serve.streaming import (
     sse,
     unless_disconnected,
 )
+from ninfer.serve.structured import output_constraint
 from ninfer.types import (
     GenerationDelta,
     GenerationRequest,
@@ -115,6 +116,13 @@ class CompletionsHandler:
             "model": gw.config.model_name,
         }
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        constraint = output_constraint(body)  # structured outputs (guided_*, response_format, ...)
+        if constraint is not None and (engine.config.purpose == "causal_scoring" or max_tokens == 0):
+            raise bad_request(
+                f"{constraint.field_name} constrains generated text; this request generates none "
+                "(max_tokens 0, or a causal_scoring server)",
+                constraint.field_name,
+            )
         if engine.config.purpose == "causal_scoring":
             return await self._score(engine, body, prompts, max_tokens, meta)
         if body.echo and body.logprobs is not None:
@@ -164,6 +172,7 @@ class CompletionsHandler:
                         max_tokens=max_tokens,
                         logprobs=body.logprobs is not None,
                         top_logprobs=top,
+                        constraint=output_constraint(body),
                         **{**sampling, "seed": seed},
                         **reuse,
                     )

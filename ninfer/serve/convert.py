@@ -26,8 +26,6 @@ from ninfer.serve.protocol import (
 )
 from ninfer.types import NEUTRAL_SAMPLING, GenerationRequest, NInferError, RequestRejected, TokenLogprob
 
-# vLLM/SGLang constrained-decoding fields (protocol.ConstrainedFields), refused by name for now
-CONSTRAINED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 # keyword arguments the gateway itself gives the chat template; chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents"})
 BOOL_TEMPLATE_KWARGS = (
@@ -115,13 +113,6 @@ def check_common(body: SamplingFields, vocab_size: int) -> None:
             "N, max_tokens: 0 (docs/cli-and-http.md, Prompt log-probs)",
             "prompt_logprobs",
         )
-    for name in CONSTRAINED_FIELDS:
-        if getattr(body, name, None) is not None:
-            raise bad_request(
-                f"{name} needs constrained decoding, which this server does not do yet; describe the format "
-                "in the prompt, or remove the field",
-                name,
-            )
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only valid with stream: true", "stream_options")
 
@@ -292,6 +283,14 @@ _REQUEST_FIELDS = (
     "tools",
     "messages",
     "prompt",
+    # structured outputs: a constraint's rejection starts with the field it came from (serve/structured.py)
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "tool_choice",
 )
 
 

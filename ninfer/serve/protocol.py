@@ -165,17 +165,38 @@ class ClientFields(_Request):
     priority: Any = Field(None, description=IGNORED + "; vLLM's scheduling priority, NInfer's queue is FIFO")
 
 
-class ConstrainedFields(_Request):
-    """vLLM/SGLang constrained-decoding fields: known, so they are refused by name (structured outputs)."""
-
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+# ---------------------------------------------------------------------------------------------------
+# Structured outputs (docs/structured-outputs.md): vLLM / SGLang request extensions, in one block
+# ---------------------------------------------------------------------------------------------------
 
 
-class SamplingFields(ClientFields, ConstrainedFields):
+class StructuredOutputsIn(_Model):
+    """vLLM's ``structured_outputs`` object: give one of its fields."""
+
+    json_value: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF / EBNF (``::=`` rules)
+    json_object: bool | None = None
+    structural_tag: Any = None  # refused (not supported)
+    whitespace_pattern: str | None = None  # refused (not supported)
+
+
+class StructuredOutputFields(_Request):
+    """The guided-decoding fields vLLM and SGLang accept on chat and completions (the older ``guided_*``
+    names and the newer ``structured_outputs`` object); each is constrained or refused, never ignored."""
+
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused (not supported)
+    guided_decoding_backend: str | None = None  # accepted for "llguidance" / "auto" only
+    structured_outputs: StructuredOutputsIn | None = None
+    response_format: ResponseFormat | None = None
+
+
+class SamplingFields(ClientFields):
     """Sampling fields shared by chat and completions (vLLM conventions for the extensions)."""
 
     temperature: float | None = Field(None, ge=0, description="0 = greedy")
@@ -208,7 +229,7 @@ class SamplingFields(ClientFields, ConstrainedFields):
     model: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -217,7 +238,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = Field(None, ge=1, description="cap on reasoning tokens, >= 1 (extension)")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
@@ -235,7 +255,7 @@ class ChatCompletionRequest(SamplingFields):
 PromptInput = str | list[TokenId] | list[str] | list[Annotated[list[TokenId], Field(min_length=1)]]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields):
     prompt: PromptInput
     max_tokens: int | None = Field(None, ge=0, description="default 16; 0 with echo returns the prompt")
     echo: bool | None = False

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer.runtime.contract.constraint import RowConstraint
 from ninfer.runtime.contract.types import (
     Blocked,
     CheckpointEntry,
@@ -69,6 +70,33 @@ def token_logprob(seed: int, position: int, token: int, top_n: int) -> TokenLogp
     lp = -0.01 - (mix(seed, position, token, 7) % 1000) / 100.0
     top = tuple((VOCAB[(token + i) % len(VOCAB)], lp - 0.5 * (i + 1)) for i in range(top_n))
     return TokenLogprob(token, lp, top)
+
+
+def mask_allows(mask: Any, token: int) -> bool:
+    """Whether a bitmask (int32 words, bit t % 32 of word t // 32) allows ``token``."""
+    word = token // 32
+    return word < len(mask) and bool((int(mask[word]) >> (token % 32)) & 1)
+
+
+def constrained(tokens: tuple[int, ...], constraint: RowConstraint | None) -> tuple[int, ...]:
+    """A unit's tokens under a row's grammar, as a verify would make them: the row's masks for the
+    scripted continuation (one ``masks`` call), kept while each token is allowed; the first refused one
+    becomes the next allowed token after it (cyclically) and ends the row's tokens."""
+    if constraint is None:
+        return tokens
+    masks = constraint.masks(tokens[:-1])
+    out: list[int] = []
+    for token, mask in zip(tokens, masks):
+        if mask is None or mask_allows(mask, token):
+            out.append(token)
+            continue
+        width = 32 * len(mask)
+        allowed = next((t % width for t in range(token, token + width) if mask_allows(mask, t % width)), None)
+        if allowed is None:
+            raise ProgramInvariantError("a row's mask allows no token")
+        out.append(allowed)
+        break
+    return tuple(out)
 
 
 @dataclass
@@ -140,6 +168,7 @@ class ScriptedProgram:
         self.on_release: Callable[[_Sequence], None] | None = None
         self.call_while_running = True  # False: a Program that never calls decode's while_running
         self.repeat_hints: list[bool] = []  # decode's repeat_expected, call by call (contract rule 13)
+        self.constraint_rounds: list[bool] = []  # whether each decode call carried constraints (rule 15)
 
     # ---- static facts ----
     @property
@@ -300,7 +329,9 @@ class ScriptedProgram:
             out.append(previous)
         return tuple(out)
 
-    def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
+    def prefill(
+        self, handle: SequenceHandle, budget_tokens: int, *, constraint: RowConstraint | None = None
+    ) -> PrefillProgress | PendingBatch:
         self._enter("prefill")
         self._no_open_batch()
         seq = self._seq(handle)
@@ -314,7 +345,7 @@ class ScriptedProgram:
             seq.prompt_consumed += budget_tokens
             seq.frontier += budget_tokens
             return PrefillProgress(budget_tokens, remaining - budget_tokens)
-        tokens = self._sample(seq, prompt_len, seq.plan.prompt_token_ids[-1], 1)
+        tokens = constrained(self._sample(seq, prompt_len, seq.plan.prompt_token_ids[-1], 1), constraint)
         batch = PendingBatch(self.program_id, next(self._batch_ids), "prefill",
                              [self._row(seq, tokens, prompt_len)], provisional={"chunk": remaining})
         self._open = batch
@@ -327,21 +358,28 @@ class ScriptedProgram:
         *,
         while_running: Callable[[], None] | None = None,
         repeat_expected: bool = False,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> PendingBatch:
         self._enter("decode")
         self.repeat_hints.append(repeat_expected)
+        self.constraint_rounds.append(constraints is not None)
+        if constraints is not None and len(constraints) != len(handles):
+            raise ProgramInvariantError("one constraint (or None) per row")
         self._no_open_batch()
         if not handles or len(handles) != len(budgets) or len(set(handles)) != len(handles):
             raise ProgramInvariantError("decode needs distinct handles, one budget each")
         if self.on_decode is not None:
             self.on_decode(handles)
         rows = []
-        for handle, budget in zip(handles, budgets):
+        for i, (handle, budget) in enumerate(zip(handles, budgets)):
             seq = self._seq(handle)
             if not seq.prompt_done or seq.terminal or budget < 1:
                 raise ProgramInvariantError(f"decode of a sequence that is not decode-ready: {handle}")
             n = min(self.spec_k, budget)
-            rows.append(self._row(seq, self._sample(seq, seq.frontier, seq.last_token, n), seq.frontier))
+            tokens = self._sample(seq, seq.frontier, seq.last_token, n)
+            if constraints is not None:
+                tokens = constrained(tokens, constraints[i])
+            rows.append(self._row(seq, tokens, seq.frontier))
         if self.on_execute is not None:
             self.on_execute("decode", handles)
         if while_running is not None and self.call_while_running:

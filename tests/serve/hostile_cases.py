@@ -314,11 +314,22 @@ def hostile_cases() -> list[Case]:
             ),
             BAD_REQUEST,
         ),
-        Case("tool_choice required", chat_path, chat(tool_choice="required"), BAD_REQUEST, "tool_choice"),
         Case(
-            "response_format json",
+            "tool_choice required, no tools",
             chat_path,
-            chat(response_format={"type": "json_object"}),
+            chat(tool_choice="required"),
+            BAD_REQUEST,
+            "tool_choice",
+        ),
+        Case(
+            "response_format bad schema",
+            chat_path,
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "no"}},
+                }
+            ),
             BAD_REQUEST,
             "response_format",
         ),

@@ -258,7 +258,7 @@ def test_models_and_tokenizer_endpoints(
         (
             {
                 "messages": MESSAGES,
-                "tool_choice": "required",
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
                 "tools": [{"type": "function", "function": {"name": "f"}}],
             },
             400,
@@ -266,10 +266,16 @@ def test_models_and_tokenizer_endpoints(
             "tool_choice",
         ),
         (
-            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             400,
             "invalid_request",
             "response_format",
+        ),
+        (
+            {"messages": MESSAGES, "guided_regex": "a(b"},
+            400,
+            "invalid_request",
+            "guided_regex",
         ),
         (
             {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "yes"}},

@@ -22,6 +22,10 @@ Rules a Frontend must keep:
   max_tokens: when fewer remain, the Engine forces only that prefix (the request then ends by length),
   so the session's next ``preview`` must accept any non-empty prefix of what it asked to force.
 - ``finish()`` flushes whatever the session still holds back (at length, cancellation or error).
+- A session made with ``OutputOptions.constraint`` has a ``constraint`` attribute
+  (``ninfer.runtime.contract.constraint.SessionConstraintLike``): the Engine hands it to the Program with
+  each unit and advances it by the committed tokens right after the Program commit (before the
+  possibly deferred ``commit``); a session without one has ``constraint`` absent or None.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from ninfer.runtime.contract.constraint import OutputConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,11 @@ class OutputOptions:
     parse_reasoning: bool | None = None
     parse_tool_calls: bool | None = None
     thinking_budget: int | None = None
+    # structured outputs: the Frontend compiles it in ``new_output_session`` (raising
+    # ``ConstraintInvalid``) and the session exposes the matcher as ``constraint``
+    # (``SessionConstraintLike``); a Frontend without structured outputs leaves it unset and the Engine
+    # refuses the request
+    constraint: OutputConstraint | None = None
 
 
 @runtime_checkable

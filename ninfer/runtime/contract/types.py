@@ -64,6 +64,15 @@ Rules every Program implementation must keep (each method's docstring repeats th
 14. **Usage is truthful.** ``usage()`` reports what is actually held (sequences, state slots, mapped and
     reserved pages, open transactions, open pending batches); after every request has ended it must
     equal the baseline taken after construction/warmup (checkpoints aside).
+15. **Constrained rows** (structured outputs). ``prefill(..., constraint=c)`` and ``decode(...,
+    constraints=[c or None per row])`` carry a row's `RowConstraint`: before it samples a row's tokens the
+    Program calls ``c.masks(drafts)`` once (``drafts`` empty for one-token decoding, a speculative unit's
+    drafts otherwise) and samples each position from the logits with the disallowed tokens at -inf (the
+    greedy choice, the sampled draw, the verify's acceptance and the reported log-probs all of that
+    masked distribution). A ``None`` mask leaves the position unconstrained. The Program never keeps a
+    constraint past the call, queues no lookahead past a constrained row, and the Engine advances the
+    row's matcher only after ``commit``, so ``abort_pending`` or a partial accept needs nothing undone. A
+    call without constraints is exactly the unconstrained unit.
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+from ninfer.runtime.contract.constraint import RowConstraint
 
 # ---------------------------------------------------------------------------------------------------
 # Errors a Program raises (anything else it raises is also an Engine-wide failure)
@@ -641,8 +652,12 @@ class Program(Protocol):
         """Abandon the transition; returns ``aborted`` with every claim, pin and reservation undone."""
         ...
 
-    def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
+    def prefill(
+        self, handle: SequenceHandle, budget_tokens: int, *, constraint: RowConstraint | None = None
+    ) -> PrefillProgress | PendingBatch:
         """Consume up to ``budget_tokens`` of the sequence's remaining prompt.
+
+        ``constraint``: the row's grammar, for the first sampled token of the final chunk (rule 15).
 
         If the rest of the prompt does not fit, commit a chunk of exactly ``budget_tokens`` positions
         directly and return ``PrefillProgress``. Otherwise run the final chunk and return a one-row
@@ -659,6 +674,7 @@ class Program(Protocol):
         *,
         while_running: Callable[[], None] | None = None,
         repeat_expected: bool = False,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> PendingBatch:
         """Run one decode unit for exactly these rows (``B = len(handles)``, no padding).
 
@@ -667,6 +683,7 @@ class Program(Protocol):
         ``while_running``: the Engine's host work that touches no Program state, called once after the
         unit is queued on the device and before its tokens are read back, so the two overlap (rule 12).
         ``repeat_expected``: the Engine's next unit is likely this round again (rule 13).
+        ``constraints``: one entry per row, the row's grammar or None (rule 15); None: no row has one.
         """
         ...
 

@@ -78,6 +78,8 @@ class Committer:
         for row, record in zip(batch.rows, members):
             preview: OutputPreviewLike | None = None
             error = record.output_error  # a deferred OutputSession commit failed while the unit ran
+            if error is None and record.constraint is not None and record.constraint.error is not None:
+                error = self.output_error(record, "constraint.masks", record.constraint.error)
             # else a cancellation observed while the unit ran: both make a cancelled row
             if error is None and not record.channel.cancel_requested:
                 try:
@@ -122,6 +124,11 @@ class Committer:
         # Program commits the accepted model state first; nothing is visible before this succeeds.
         core.program.commit(batch, decisions)
         core.open_batch = None
+        # structured outputs: a row that goes on moves its grammar matcher by what the Program committed,
+        # now (its next unit's mask depends on it; its OutputSession commit may be deferred)
+        for record, _preview, row in continuing:
+            if record.constraint is not None:
+                self._advance_constraint(record, row, forced=not sampled)
 
         # terminal resource results, adopted before any lane or output change becomes visible
         for end in ending:
@@ -160,6 +167,16 @@ class Committer:
                     logprobs = row_logprobs(record, row, accepted)
                     self.publish_delta(record, out, tuple(row.tokens[:accepted]), logprobs)
             core.finish(record, reason, error)
+
+    def _advance_constraint(self, record: RequestRecord, row: PendingRow, *, forced: bool) -> None:
+        """Move the row's matcher by its committed tokens; a failure ends only that request, at its next
+        boundary (as a failed deferred OutputSession commit does)."""
+        assert record.constraint is not None
+        try:
+            record.constraint.advance(row.tokens, forced=forced)
+        except Exception as exc:  # noqa: BLE001 - a per-request output error, not the Engine's
+            record.output_error = self.output_error(record, "constraint.advance", exc)
+            self._core.cancellation_may_have_changed()
 
     def _turn_boundaries(
         self, record: RequestRecord, preview: OutputPreviewLike, reason: FinishReason
@@ -214,7 +231,12 @@ class Committer:
     @staticmethod
     def output_error(record: RequestRecord, call: str, exc: Exception) -> RequestFailed:
         """The error result of a request whose OutputSession raised (logged with its traceback)."""
-        log.exception("request %d: OutputSession.%s failed; only this request ends", record.request_id, call)
+        log.error(
+            "request %d: OutputSession.%s failed; only this request ends",
+            record.request_id,
+            call,
+            exc_info=exc,
+        )
         return RequestFailed(
             f"request {record.request_id} failed while forming its output: OutputSession.{call} raised "
             f"{type(exc).__name__}: {exc}. This is a bug in the package's output handling (e.g. its "

@@ -25,7 +25,13 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from types import TracebackType
 
-from ninfer.runtime.contract.frontend import FrontendLike, OutputOptions, PreparedPromptLike
+from ninfer.runtime.contract.constraint import ConstraintInvalid
+from ninfer.runtime.contract.frontend import (
+    FrontendLike,
+    OutputOptions,
+    OutputSessionLike,
+    PreparedPromptLike,
+)
 from ninfer.runtime.contract.types import LogprobParams, Program, RequestPlan, SamplingParams, ScoringProgram
 from ninfer.runtime.engine.context_cache import CacheStats
 from ninfer.runtime.engine.engine_core import EngineCore
@@ -322,7 +328,7 @@ class Engine:
             raise RequestRejected("invalid_request", "; ".join(problems))
         prompt = self._prepare(request)
         plan = self._plan(request, prompt)
-        session = self._frontend.new_output_session(prompt, self._output_options(request))
+        session = self._output_session(request, prompt)
         channel = self._core.submit(
             prompt, session, plan, session_id=request.session_id, prefix_cache=request.prefix_cache
         )
@@ -420,6 +426,21 @@ class Engine:
             held = tuple(sorted({t for t in (*eos, *request.stop_token_ids) if vocab is None or t < vocab}))
         return bias, held
 
+    def _output_session(self, request: GenerationRequest, prompt: PreparedPromptLike) -> OutputSessionLike:
+        """The request's OutputSession; a constraint is compiled here, once (a bad one is refused)."""
+        try:
+            session = self._frontend.new_output_session(prompt, self._output_options(request))
+        except ConstraintInvalid as exc:
+            raise RequestRejected("invalid_request", str(exc)) from exc
+        constraint = request.constraint
+        if constraint is not None and getattr(session, "constraint", None) is None:
+            raise RequestRejected(
+                "invalid_request",
+                f"{constraint.field_name}: this model's Frontend does not do structured outputs; drop the "
+                "constraint",
+            )
+        return session
+
     @staticmethod
     def _output_options(request: GenerationRequest) -> OutputOptions:
         """The request's output options; channel and tool-call parsing are the Frontend's to decide."""
@@ -430,6 +451,7 @@ class Engine:
             include_stop_str=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             thinking_budget=request.thinking_budget,
+            constraint=request.constraint,
         )
 
     # ---- scoring ----

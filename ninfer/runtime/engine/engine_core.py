@@ -468,16 +468,21 @@ class EngineCore:
         if unit.kind is UnitKind.DECODE:
             handles: list[SequenceHandle] = []
             budgets: list[int] = []
+            constrained = False
             for record in unit.members:
                 handles.append(self._handle(record))
                 budget, horizon = record.remaining_budget, record.control_horizon
                 budgets.append(budget if horizon is None or horizon >= budget else horizon)
-            batch = self.program.decode(
-                handles,
-                budgets,
-                while_running=self.committer.publish_committed,
-                repeat_expected=self._round_repeats(budgets),
-            )
+                constrained = constrained or record.constraint is not None
+            if constrained:
+                batch = self._decode_constrained(unit, handles, budgets)
+            else:
+                batch = self.program.decode(
+                    handles,
+                    budgets,
+                    while_running=self.committer.publish_committed,
+                    repeat_expected=self._round_repeats(budgets),
+                )
             self.open_batch = batch
             if self.committer.unpublished:  # the Program did not call back: the preview below needs it
                 self.committer.publish_committed()
@@ -502,6 +507,20 @@ class EngineCore:
                 raise EngineInvariantError("force produced tokens other than the forced ones")
             self.committer.commit_unit(batch, unit.members)
 
+    def _decode_constrained(
+        self, unit: Unit, handles: list[SequenceHandle], budgets: list[int]
+    ) -> PendingBatch:
+        """A decode round with constrained rows: each one's grammar goes with it (the Program masks its
+        logits), and no repeat hint: a constrained row's next mask depends on this round's token, so the
+        round after cannot be queued before this one is committed (docs/structured-outputs.md)."""
+        return self.program.decode(
+            handles,
+            budgets,
+            while_running=self.committer.publish_committed,
+            repeat_expected=False,
+            constraints=[record.constraint for record in unit.members],
+        )
+
     def _round_repeats(self, budgets: list[int]) -> bool:
         """Whether the unit after this decode round is, unless a row ends early or asks for forced
         control, the same round less the rows it ends by length (contract rule 13): the Scheduler has no
@@ -524,7 +543,10 @@ class EngineCore:
             points.pop(0)
         if points:  # a chunk ends at the next capture point, where the checkpoint is taken
             budget = min(budget, points[0] - frontier)
-        out = self.program.prefill(handle, budget)
+        if record.constraint is None:
+            out = self.program.prefill(handle, budget)
+        else:  # the final chunk samples the first token under the constraint
+            out = self.program.prefill(handle, budget, constraint=record.constraint)
         self.pacer.prefill_ran(min(budget, record.prompt_remaining))
         if isinstance(out, PrefillProgress):
             expected_left = record.prompt_remaining - budget

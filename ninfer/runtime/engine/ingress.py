@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from ninfer.runtime.contract.frontend import OutputSessionLike, PreparedPromptLike
 from ninfer.runtime.contract.types import RequestPlan
+from ninfer.runtime.engine.constraints import row_guard
 from ninfer.runtime.engine.request_record import RequestRecord, ResponseChannel
 from ninfer.types import Availability, EngineConfig, EngineFailed, RequestRejected
 
@@ -124,6 +125,7 @@ class Ingress:
                 deadline=None if timeout is None else self._clock() + timeout,
                 session_id=session_id,
                 prefix_cache=prefix_cache,
+                constraint=row_guard(session),
             )
             self._arrivals.append(record)
             self._channels[order] = channel

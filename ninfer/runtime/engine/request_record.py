@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ninfer.runtime.contract.frontend import OutputSessionLike, PreparedPromptLike
 from ninfer.runtime.contract.types import RequestPlan, RunningTransaction, SequenceHandle, TokenLogprob
+from ninfer.runtime.engine.constraints import RowGuard
 from ninfer.types import (
     FinishReason,
     GenerationDelta,
@@ -242,6 +243,8 @@ class RequestRecord:
     prefix_cache: bool = True
     capture_points: list[int] = field(default_factory=list)
     output_reproducible: bool = False
+    # structured outputs: the guard over the session's grammar matcher (constraints.RowGuard), or None
+    constraint: RowGuard | None = None
 
     def count_drafts(self, drafted: int, kept: int) -> None:
         """A committed unit proposed ``drafted`` drafts for the request and it kept the first ``kept``

@@ -11,6 +11,7 @@ from typing import Any
 
 from ninfer.media.decode import DecodedImage
 from ninfer.targets.qwen3_6.frontend.chat_template import ChatTemplate, ChatTemplateError
+from ninfer.targets.qwen3_6.frontend.constraint import ConstraintCompiler, GrammarConstraint
 from ninfer.targets.qwen3_6.frontend.mrope import mrope_positions
 from ninfer.targets.qwen3_6.frontend.output import OutputSession
 from ninfer.targets.qwen3_6.frontend.prompt import TurnMarkers, chat_boundaries, make_prepared_prompt
@@ -81,6 +82,8 @@ class Frontend:
             k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None
         }
         self.turn_markers = TurnMarkers.encoded(tokenizer.encode)
+        # structured outputs: the grammar engine's tokenizer is built on the first constrained request
+        self.constraints = ConstraintCompiler(tokenizer.json_text, self.eos_token_ids)
 
     @classmethod
     def from_resources(
@@ -236,7 +239,22 @@ class Frontend:
             def history(message: Mapping[str, Any], tool_results_follow: bool) -> str:
                 return self.history_turn_text(message, tool_results_follow, kwargs)
 
-        return OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids, history)
+        session = OutputSession(self.tokenizer, self.special, prompt, options, self.eos_token_ids, history)
+        requested = getattr(options, "constraint", None)
+        if requested is not None:  # compiled (or taken from the cache) once; ConstraintInvalid if bad
+            matcher = self.constraints.matcher(requested, getattr(prompt, "tools", None))
+            stops = set(getattr(options, "stop_token_ids", ()))
+            if not getattr(options, "ignore_eos", False):
+                stops.update(self.eos_token_ids)
+            session.constraint = GrammarConstraint(
+                matcher,
+                self.constraints.mask_words,
+                stops,
+                in_reasoning=prompt.opens_thinking,
+                think_close=self.special.think_close,
+                eos_ids=self.eos_token_ids,
+            )
+        return session
 
     def history_turn_text(
         self, message: Mapping[str, Any], tool_results_follow: bool, template_kwargs: Mapping[str, Any]

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ninfer.targets.qwen3_6.frontend.constraint import GrammarConstraint
 from ninfer.targets.qwen3_6.frontend.detokenizer import IncrementalDetokenizer, Piece
 from ninfer.targets.qwen3_6.frontend.prompt import last_index
 from ninfer.targets.qwen3_6.frontend.reasoning import ChannelSplitter
@@ -269,6 +270,8 @@ class OutputSession:
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended output
+        # structured outputs: the request's grammar matcher (set by the Frontend; the Engine drives it)
+        self.constraint: GrammarConstraint | None = None
 
     # ---- committed totals ---------------------------------------------------------------------
     @property

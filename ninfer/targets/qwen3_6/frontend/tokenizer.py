@@ -37,6 +37,7 @@ class TextTokenizer:
 
     def __init__(self, tokenizer_json: bytes | str) -> None:
         text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, bytes) else tokenizer_json
+        self.json_text = text  # the tokenizer.json text (the grammar engine builds its own tokenizer from it)
         self._tok = Tokenizer.from_str(text)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         added = self._tok.get_added_tokens_decoder()

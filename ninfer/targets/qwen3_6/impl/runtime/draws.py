@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ninfer.ops.sampling import SampleResult, SamplingBatch, sample
@@ -82,7 +83,7 @@ class Queued:
             lp = None
             if s.logprobs.enabled:
                 n = s.logprobs.top_n
-                top = tuple(zip(top_ids[i][:n], top_lp[i][:n])) if n else ()
+                top = _finite_top(top_ids[i][:n], top_lp[i][:n]) if n else ()
                 lp = (TokenLogprob(token_id=tokens[i], logprob=chosen[i], top=top),)
             rows.append(PendingRow(s.handle, (tokens[i],), s.frontier, lp, metas[i]))
         return rows
@@ -171,23 +172,32 @@ class Sampler:
         assert self._batch is not None
         return self._batch
 
-    def draw(self, seqs: Sequence[SequenceState], run: StepRun) -> Queued:
+    def draw(
+        self, seqs: Sequence[SequenceState], run: StepRun, masks: Sequence[np.ndarray | None] | None = None
+    ) -> Queued:
         """Queue one token per row from ``run``'s logits (the sampler, or the graph's argmax) and its copy
-        to the host."""
+        to the host. ``masks``: per row, the allowed-token bitmask of a constrained row (structured
+        outputs) or None; the row then draws from its masked logits (`masked_logits`)."""
         assert run.logits is not None
         batch = self.settings(seqs)
         penalised = any(s.penalised for s in seqs)
         want_logprobs = any(s.logprobs.enabled for s in seqs)
         top_n = max((s.logprobs.top_n for s in seqs if s.logprobs.enabled), default=0)
         biased = any(_biased(s) for s in seqs)
-        if run.greedy is not None and batch.all_greedy and not (penalised or want_logprobs or biased):
+        logits = run.logits if masks is None else masked_logits(run.logits, masks)
+        if (
+            run.greedy is not None
+            and batch.all_greedy
+            and not (penalised or want_logprobs or biased)
+            and logits is run.logits
+        ):
             result = None  # exactly the sampler's tokens then: the argmax of the raw logits
             drawn = run.greedy
         else:
             fields = run.step.fields()
             index = fields.sequence_index
             result = sample(
-                run.logits,
+                logits,
                 batch,
                 # the counter of a draw is the absolute position of the sampled token: the row's context
                 # length after the step (frontier + consumed), already on the device with the step's inputs
@@ -202,11 +212,18 @@ class Sampler:
         return Queued.copy_back(drawn, result, want_logprobs, top_n > 0)  # log-probs: only by the sampler
 
     def verify(
-        self, seqs: Sequence[SequenceState], run: StepRun, drafts: Sequence[Sequence[int]]
+        self,
+        seqs: Sequence[SequenceState],
+        run: StepRun,
+        drafts: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> QueuedVerify:
         """Queue the exact acceptance of each row's deterministic drafts over a verify step's logits (T =
-        len(drafts[r]) + 1 tokens per row, `ninfer.ops.speculative.verify_drafts`) and the copies back."""
+        len(drafts[r]) + 1 tokens per row, `ninfer.ops.speculative.verify_drafts`) and the copies back.
+        ``masks``: one bitmask or None per verified position (row-major, B x T): each position's target
+        distribution is masked, so the rule stays exact for constrained rows."""
         assert run.logits is not None
+        logits = run.logits if masks is None else masked_logits(run.logits, masks)
         batch = self.settings(seqs)
         tokens_per_row = len(drafts[0]) + 1
         penalised = any(s.penalised for s in seqs)
@@ -220,7 +237,7 @@ class Sampler:
         draft_ids = draft_ids.to(self.device, non_blocking=True)
         first = fields.context_lens - (tokens_per_row - 1)  # each row's first produced position: frontier + 1
         result = verify_drafts(
-            run.logits,
+            logits,
             draft_ids.view(len(seqs), tokens_per_row - 1),
             batch,
             first,
@@ -239,7 +256,7 @@ class Sampler:
             host(result.logprob) if want_logprobs else None,
             host(result.top_ids) if top_n else None, host(result.top_logprobs) if top_n else None, None,
         )  # fmt: skip
-        if run.logits.is_cuda:
+        if logits.is_cuda:
             queued.done = torch.cuda.Event()
             queued.done.record()
         return queued
@@ -280,6 +297,30 @@ def _biased(seq: SequenceState) -> bool:
     )
 
 
+def masked_logits(logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+    """A copy of ``logits`` [N, V] with each row's disallowed tokens at -inf (structured outputs).
+
+    ``masks[i]``: row i's bitmask (int32 words, bit ``t % 32`` of word ``t // 32`` set: token ``t``
+    allowed; tokens past its words never are) or None (the row is left as it is). The words go to the
+    device packed (V / 8 bytes a row) and are unpacked there."""
+    rows, vocab = logits.shape
+    if len(masks) != rows:
+        raise ValueError(f"{len(masks)} masks for {rows} logit rows")
+    words = (vocab + 31) // 32
+    host = np.full((rows, words), -1, dtype=np.int32)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            n = min(len(mask), words)
+            host[i, :n] = mask[:n]
+            host[i, n:] = 0
+    packed = torch.from_numpy(host)
+    if logits.is_cuda:
+        packed = packed.pin_memory().to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).view(rows, words * 32)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def gather_rows(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """``tokens[rows]`` on the device, queued behind what computes ``tokens`` (the index goes through
     pinned memory: a copy from pageable memory would wait for the device queue to drain)."""
@@ -287,6 +328,11 @@ def gather_rows(tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     if tokens.is_cuda:
         index = index.pin_memory().to(tokens.device, non_blocking=True)
     return tokens.index_select(0, index)
+
+
+def _finite_top(ids: Sequence[int], values: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """Top alternatives, less the tokens a constrained row's mask ruled out (log-prob -inf)."""
+    return tuple((t, v) for t, v in zip(ids, values) if v != float("-inf"))
 
 
 def forced_logprobs(logits: torch.Tensor, tokens: tuple[int, ...], top_n: int) -> tuple[TokenLogprob, ...]:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ninfer.runtime.contract.constraint import RowConstraint
 from ninfer.runtime.contract.identity import prefix_digests
 from ninfer.runtime.contract.types import (
     Blocked,
@@ -329,7 +330,9 @@ class Qwen36Program:
 
     # ---- execution ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, handle: SequenceHandle, budget_tokens: int) -> PrefillProgress | PendingBatch:
+    def prefill(
+        self, handle: SequenceHandle, budget_tokens: int, *, constraint: RowConstraint | None = None
+    ) -> PrefillProgress | PendingBatch:
         seq = self._sequence(handle)
         self._no_open_pending("prefill")
         self.backend.drop()
@@ -355,7 +358,8 @@ class Qwen36Program:
             run = self.executor.uniform([seq], chunk, 1, state_in=[seq.current], state_out=[out])
         else:
             run = self.executor.ragged([seq], [chunk], state_out=[out], logits="last", splice=splice)
-        queued = self.sampler.draw([seq], run)
+        masks = None if constraint is None else [constraint.masks(())[0]]
+        queued = self.sampler.draw([seq], run, masks)
         if self.backend.observes_steps:
             # the token after each prompt position: the next prompt token, after the last the drawn one
             following = torch.cat((self._on_device(seq.prompt[start + 1 : end]), queued.drawn.view(1)))
@@ -371,6 +375,7 @@ class Qwen36Program:
         *,
         while_running: Callable[[], None] | None = None,
         repeat_expected: bool = False,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> PendingBatch:
         self._no_open_pending("decode")
         if not handles or len(handles) > self.max_concurrency or len(budgets) != len(handles):
@@ -383,9 +388,16 @@ class Qwen36Program:
                 raise ProgramInvariantError(f"sequence {s.handle} is not decode-ready")
             if s.frontier + 1 > s.max_total:
                 raise ProgramInvariantError(f"sequence {s.handle} would grow past its reservation")
-        rows = self.backend.decode(
-            seqs, budgets, while_running=while_running, repeat_expected=repeat_expected
-        )
+        if constraints is None:
+            rows = self.backend.decode(
+                seqs, budgets, while_running=while_running, repeat_expected=repeat_expected
+            )
+        else:  # structured outputs (contract rule 15)
+            if len(constraints) != len(handles):
+                raise ProgramInvariantError(f"{len(constraints)} constraints for {len(handles)} rows")
+            rows = self.backend.decode(
+                seqs, budgets, while_running=while_running, repeat_expected=False, constraints=constraints
+            )
         for row, budget in zip(rows, budgets):
             if not 1 <= row.produced <= budget:
                 raise ProgramInvariantError(f"the {self.backend.name} backend produced {row.produced} tokens")

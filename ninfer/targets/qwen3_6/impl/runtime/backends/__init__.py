@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from ninfer.runtime.contract.constraint import RowConstraint
 from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle
 from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
@@ -97,10 +98,12 @@ class DecodeBackend(Protocol):
         *,
         while_running: Callable[[], None] | None,
         repeat_expected: bool,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> list[PendingRow]:
         """Run one decode unit for exactly these rows (checked decode-ready by the Program): queue the
         step and the draw, call ``while_running`` once the unit is on the device, read the tokens back and
-        return one pending row per sequence (1 <= produced <= budget) with its `RowCommit`."""
+        return one pending row per sequence (1 <= produced <= budget) with its `RowCommit`.
+        ``constraints``: the rows' grammars (contract rule 15): each position sampled under its mask."""
         ...
 
     def committed(

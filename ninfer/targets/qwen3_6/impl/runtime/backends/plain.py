@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.runtime.contract.constraint import RowConstraint
 from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle
 from ninfer.targets.qwen3_6.impl.runtime.backends import RowCommit
 from ninfer.targets.qwen3_6.impl.runtime.draws import Queued, Sampler, StepRun, gather_rows
@@ -78,9 +79,23 @@ class PlainDecode:
         *,
         while_running: Callable[[], None] | None,
         repeat_expected: bool,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> list[PendingRow]:
         executor, sampler = self._executor, self._sampler
         assert executor is not None and sampler is not None, "PlainDecode.bind was not called"
+        if constraints is not None:
+            # constrained rows (structured outputs): the same step graph, the rows' masks applied in the
+            # sampler, and no lookahead (a constrained row's next mask depends on this round's token)
+            self.drop()
+            outs = [s.spare for s in seqs]
+            run = executor.uniform(
+                seqs, [s.pending_input for s in seqs], 1, state_in=[s.current for s in seqs], state_out=outs
+            )
+            masks = [c.masks(())[0] if c is not None else None for c in constraints]
+            queued = sampler.draw(seqs, run, masks)
+            if while_running is not None:
+                while_running()
+            return queued.rows(seqs, tuple(RowCommit((o,)) for o in outs))
         taken = self._take_ahead(seqs)
         if taken is not None:
             queued, commits = taken

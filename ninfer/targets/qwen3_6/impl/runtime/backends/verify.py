@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ninfer.runtime.contract.constraint import RowConstraint
 from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle, TokenLogprob
 from ninfer.targets.qwen3_6.impl.runtime.backends import RowCommit
-from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
+from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun, _finite_top
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.model import StateStore
@@ -91,15 +92,21 @@ class VerifyRound:
         *,
         while_running: Callable[[], None] | None,
         repeat_expected: bool,
+        constraints: Sequence[RowConstraint | None] | None = None,
     ) -> list[PendingRow]:
         executor, sampler = self._executor, self._sampler
         assert executor is not None and sampler is not None, f"{type(self).__name__}.bind was not called"
         t = self.tokens_per_step
         drafts = [self.drafts(s) for s in seqs]
+        masks = None
+        if constraints is not None:  # one bitmask (or None) per verified position of each row
+            masks = []
+            for c, d in zip(constraints, drafts):
+                masks.extend(c.masks(d) if c is not None else (None,) * t)
         outs = [s.spares(t) for s in seqs]
         tokens = [x for s, d in zip(seqs, drafts) for x in (s.pending_input, *d)]
         run = executor.uniform(seqs, tokens, t, state_in=[s.current for s in seqs], state_out=outs)
-        queued = sampler.verify(seqs, run, drafts)
+        queued = sampler.verify(seqs, run, drafts, masks)
         self.after_verify(seqs, run, queued)
         if while_running is not None:
             while_running()
@@ -110,7 +117,10 @@ class VerifyRound:
             a = accepted[i]
             self.drafted += self.draft_tokens
             self.accepted += a
-            kept = max(0, min(self.draft_tokens, self.accept(s, a)))
+            # a constrained row keeps what the masked rule accepted (a benchmark override would keep
+            # drafts the grammar may refuse)
+            constrained = constraints is not None and constraints[i] is not None
+            kept = a if constrained else max(0, min(self.draft_tokens, self.accept(s, a)))
             produced = tuple(chosen[i][: a + 1]) if kept == a else (*drafts[i][:kept], chosen[i][kept])
             produced = produced[:budget]
             lp = None
@@ -118,7 +128,7 @@ class VerifyRound:
                 n = s.logprobs.top_n
                 lp = tuple(
                     TokenLogprob(
-                        tok, logprob[i][j], tuple(zip(top_ids[i][j][:n], top_lp[i][j][:n])) if n else ()
+                        tok, logprob[i][j], _finite_top(top_ids[i][j][:n], top_lp[i][j][:n]) if n else ()
                     )
                     for j, tok in enumerate(produced)
                 )
