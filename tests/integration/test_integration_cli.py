@@ -57,6 +57,7 @@ def test_generate_raw_json_equals_engine_greedy(
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": n,
         "total_tokens": len(prompt_ids) + n,
+        "cached_tokens": 0,  # one cold prompt: nothing reused
     }
 
 
