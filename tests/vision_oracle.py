@@ -10,6 +10,7 @@ processor (which needs torchvision); only its image path runs.
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import json
@@ -33,7 +34,10 @@ SMALL_CONFIG: dict[str, Any] = {
 
 
 def processor_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in ("processor_class", "image_processor_type")}
+    # a deep copy: transformers writes top-level min/max_pixels into the ``size`` dict it is given, which
+    # a config built as {**FAMILY_DEFAULTS, ...} shares with the library's defaults
+    kept = {k: v for k, v in config.items() if k not in ("processor_class", "image_processor_type")}
+    return copy.deepcopy(kept)
 
 
 def hf_image_processor(config: Mapping[str, Any] = FAMILY_DEFAULTS) -> Any:

@@ -263,7 +263,7 @@ def hostile_cases() -> list[Case]:
         ),
         Case("prompt_logprobs", chat_path, chat(prompt_logprobs=1), BAD_REQUEST, "prompt_logprobs"),
         Case("chat_template", chat_path, chat(chat_template="{{ x }}"), BAD_REQUEST, "chat_template"),
-        Case("guided_json", chat_path, chat(guided_json={"type": "object"}), BAD_REQUEST, "guided_json"),
+        Case("guided_json", chat_path, chat(guided_json={"type": "nothing"}), BAD_REQUEST, "guided_json"),
         Case("logit_bias key not an id", chat_path, chat(logit_bias={"abc": 1}), BAD_REQUEST, "logit_bias"),
         Case("logit_bias value 101", chat_path, chat(logit_bias={"1": 101}), BAD_REQUEST, "logit_bias"),
         Case(

@@ -114,8 +114,10 @@ def test_refusals_say_why(server: BackgroundServer) -> None:
     )
     refused(post(server, "/v1/completions", {"prompt": "x", "best_of": 3}), "best_of", "best_of")
     refused(post(server, "/v1/chat/completions", {"messages": USER, "n": 5}), "n", "max_concurrency of 4")
-    refused(
-        post(server, "/v1/chat/completions", {"messages": USER, "guided_regex": "a+"}), "guided_regex", ""
+    refused(  # structured outputs take guided_regex (docs/structured-outputs.md), not a whitespace pattern
+        post(server, "/v1/chat/completions", {"messages": USER, "guided_whitespace_pattern": " "}),
+        "guided_whitespace_pattern",
+        "",
     )
 
 
