@@ -139,7 +139,8 @@ class PromptSource:
         return [self._rng.randrange(self._bound) for _ in range(length)]
 
 
-def _request(prompt: list[int], max_tokens: int) -> GenerationRequest:
+def greedy_request(prompt: list[int], max_tokens: int) -> GenerationRequest:
+    """A bench request: greedy, past end-of-sequence tokens, exactly ``max_tokens`` tokens."""
     return GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
@@ -165,14 +166,14 @@ class EngineDriver:
 
     def warm_up(self) -> None:
         """One untimed prefill of the measured length (allocator growth, kernel selection)."""
-        with self.engine.submit(_request(self.prompts.take(self.plan.prefill_tokens), 2)) as handle:
+        with self.engine.submit(greedy_request(self.prompts.take(self.plan.prefill_tokens), 2)) as handle:
             _finished(handle, 2)
 
     def prefill_once(self) -> PrefillSample:
         steps = self.plan.decode_steps
         first = len(self.timeline.marks)
         token_times: list[float] = []
-        request = _request(self.prompts.take(self.plan.prefill_tokens), steps + 1)
+        request = greedy_request(self.prompts.take(self.plan.prefill_tokens), steps + 1)
         t0 = time.perf_counter()
         with self.engine.submit(request) as handle:
             for event in handle:
@@ -192,7 +193,7 @@ class EngineDriver:
             raise BenchError(f"B={batch} exceeds the Engine's max_concurrency {limit}")
         max_tokens = self.plan.decode_max_tokens(batch)
         first = len(self.timeline.marks)
-        requests = [_request(self.prompts.take(self.plan.context), max_tokens) for _ in range(batch)]
+        requests = [greedy_request(self.prompts.take(self.plan.context), max_tokens) for _ in range(batch)]
         handles = [self.engine.submit(r) for r in requests]
         try:
             # poll instead of blocking on the event queues: a blocked consumer would wake on every token

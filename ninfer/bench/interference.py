@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ninfer.bench.drive import BenchError, PromptSource
+from ninfer.bench.drive import BenchError, PromptSource, greedy_request
 from ninfer.bench.report import RunHeader
 from ninfer.bench.runner import (
     BenchOptions,
@@ -29,7 +29,7 @@ from ninfer.bench.runner import (
 )
 from ninfer.bench.startup import StartedEngine, restart
 from ninfer.runtime.engine.engine import Engine
-from ninfer.types import EngineConfig, GenerationDelta, GenerationRequest
+from ninfer.types import EngineConfig, GenerationDelta
 
 
 @dataclass(frozen=True)
@@ -111,22 +111,19 @@ def render_interference(report: InterferenceReport) -> str:
 
 def _first_token_ms(engine: Engine, prompt: list[int]) -> float:
     start = time.perf_counter()
-    with engine.submit(_request(prompt, 2)) as handle:
+    with engine.submit(greedy_request(prompt, 2)) as handle:
         for event in handle:
             if isinstance(event, GenerationDelta) and event.token_ids:
                 return (time.perf_counter() - start) * 1e3
     raise BenchError("the long prompt produced no token")
 
 
-def _request(prompt: list[int], max_tokens: int) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 def _scenario(engine: Engine, plan: InterferencePlan, prompts: PromptSource) -> tuple[float, list[float]]:
     """The long prompt's TTFT (ms) while ``plan.streams`` requests decode, and their gaps (ms) meanwhile."""
     arrivals: list[list[float]] = [[] for _ in range(plan.streams)]
     started = [threading.Event() for _ in range(plan.streams)]
-    handles = [engine.submit(_request(prompts.take(plan.context), plan.stream_tokens)) for _ in arrivals]
+    requests = [greedy_request(prompts.take(plan.context), plan.stream_tokens) for _ in arrivals]
+    handles = [engine.submit(r) for r in requests]
 
     def consume(i: int) -> None:
         for event in handles[i]:

@@ -19,6 +19,7 @@ import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ninfer.runtime.contract.constraint import OutputConstraint
 from ninfer.runtime.engine.engine import Engine
 from ninfer.serve.convert import (
     TextOffsets,
@@ -134,7 +135,7 @@ class CompletionsHandler:
             )
         if max_tokens == 0:
             return await self._prompt_only(body, prompts, meta)
-        return await self._generate(body, prompts, max_tokens, meta, request)
+        return await self._generate(body, prompts, max_tokens, meta, request, constraint)
 
     # ---- generation purpose ----
     async def _generate(
@@ -144,6 +145,7 @@ class CompletionsHandler:
         max_tokens: int,
         meta: dict[str, Any],
         request: Request,
+        constraint: OutputConstraint | None,
     ) -> Response:
         engine = self.gateway.host.engine()
         n = choices_of(body, engine.config.max_concurrency)
@@ -172,7 +174,7 @@ class CompletionsHandler:
                         max_tokens=max_tokens,
                         logprobs=body.logprobs is not None,
                         top_logprobs=top,
-                        constraint=output_constraint(body),
+                        constraint=constraint,
                         **{**sampling, "seed": seed},
                         **reuse,
                     )
