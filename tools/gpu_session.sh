@@ -9,7 +9,7 @@
 # engine27/35, timeline27/35 (PROFILE_GC=default|freeze|off, PROFILE_BATCH, PROFILE_ARGS), gtimeline27/35
 # (tools/graph_timeline: each kernel's marginal time inside the decode graph; PROFILE_BATCH,
 # GTIMELINE_ARGS=--engine: the Engine's own graphs too), hostround27/35
-# (HOSTROUND_BATCH), skinny,
+# (HOSTROUND_BATCH), mtpdiag (tools/mtp_diagnose: where MTP parts from plain decoding; DIAG_ARGS), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
 # pdlprofile, pdloff8, chunk8k, interfere27/35 (bench --interference IF_TOKENS: streams' gaps while a long
 # prompt arrives, pacing on and off),
@@ -63,7 +63,8 @@ for step in "$@"; do
     gemm) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_skinny_gemm.py && timeout 200 python3 -m tools.kernel_bench.skinny_gemm ;;
     gemmsweep) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep ;;
     gemmsweep35) timeout 200 python3 -m tools.kernel_bench.skinny_gemm --sweep --variant 35b-a3b ;;
-    pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs ${PYTESTS:?set PYTESTS} ;;
+    pytests) timeout -s INT ${PYTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -q -rs ${PYTESTS:?set PYTESTS} ;;
+    mtpdiag) timeout -s INT ${DIAG_TIMEOUT:-240} python3 -m tools.mtp_diagnose ${DIAG_ARGS:-} ;;
     moetests) timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/ops/test_triton_moe_decode.py tests/ops/test_triton_fused_moe.py ;;
     moesweepdecode) timeout 200 python3 -m tools.kernel_bench.moe_decode ;;
     moeprofile) NINFER_PDL=0 timeout 150 python3 -m tools.kernel_bench.moe_decode --profile --tokens ${MOE_TOKENS:-1 8} ;;
