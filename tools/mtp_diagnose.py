@@ -31,13 +31,16 @@ CONFIGS = {
 }
 
 
-def _run(artifact: str, device: str, dtype: str, speculative: str | None, fields: dict) -> list[GenerationResult]:
+def _run(
+    artifact: str, device: str, dtype: str, speculative: str | None, fields: dict
+) -> list[GenerationResult]:
     config = EngineConfig(
         device=device, dtype=dtype, max_concurrency=4, max_context=1024, prefix_cache=False,  # type: ignore[arg-type]
         speculative=speculative, **fields,
     )  # fmt: skip
     requests = [
-        GenerationRequest(prompt=t, max_tokens=48, temperature=0.0, logprobs=True, top_logprobs=2) for t in TEXTS
+        GenerationRequest(prompt=t, max_tokens=48, temperature=0.0, logprobs=True, top_logprobs=2)
+        for t in TEXTS
     ]
     with Engine(artifact, config) as engine:
         handles = [engine.submit(r) for r in requests]
@@ -66,7 +69,9 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         plains: dict[str, list[GenerationResult]] = {}
         for name in args.configs.split(","):
-            fields = CONFIGS[name] if args.device == "cuda" else {"kernels": "reference", "cuda_graphs": False}
+            fields = (
+                CONFIGS[name] if args.device == "cuda" else {"kernels": "reference", "cuda_graphs": False}
+            )
             try:
                 plain = plains[name] = _run(artifact, args.device, dtype, None, fields)
                 if len(plains) > 1:
@@ -82,7 +87,10 @@ def main() -> None:
                     line["drafted"] = [r.usage.drafted_tokens for r in mtp]
                     print(json.dumps(line), flush=True)
             except Exception as e:  # a configuration that fails says how and the others still run
-                print(json.dumps({"dtype": dtype, "config": name, "error": f"{type(e).__name__}: {e}"}), flush=True)
+                print(
+                    json.dumps({"dtype": dtype, "config": name, "error": f"{type(e).__name__}: {e}"}),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -192,11 +192,15 @@ def test_mtp_reserves_its_extra_positions_and_its_layer() -> None:
 
 
 def test_the_reference_ops_on_cuda_size_for_their_fp32_scores() -> None:
-    """The reference attention holds [heads, unit, context] fp32 scores: the default context shrinks."""
+    """The reference attention holds [heads, unit, context] fp32 scores, and its decode attention reads a
+    row's whole block table: its default context is at most 32,768, and what fits beside the scores."""
     plan = cuda_plan("qwen3_6_27b", H200_141GB, kernels="reference")
-    assert plan.context_from == "fits" and plan.max_context < POSITIONS
+    assert (plan.context_from, plan.max_context) == ("reference", 32768)
+    assert "reference op table" in plan.describe()
     heads = PACKAGES["qwen3_6_27b"].variant.num_attention_heads
     assert plan.working_bytes > 3 * heads * 2048 * plan.max_context * 4
+    small = cuda_plan("qwen3_6_27b", H100_80GB, kernels="reference")
+    assert small.context_from == "fits" and small.max_context < 32768
 
 
 @pytest.mark.parametrize("name", ["qwen3_6_tiny", "qwen3_6_27b"])

@@ -35,7 +35,9 @@ from ninfer.types import EngineConfig
 
 GIB = 2**30
 # Without an explicit max_context a CPU Program holds this many positions per request (its pool is
-# max_context x max_concurrency pages; the model itself allows variant.max_position_embeddings).
+# max_context x max_concurrency pages; the model itself allows variant.max_position_embeddings). The
+# reference op table on CUDA defaults to it too: its decode attention gathers a row's whole block table
+# every step (a static shape), so a 262,144-position table makes each step read the whole pool's width.
 CPU_DEFAULT_MAX_CONTEXT = 32768
 # the most checkpoint state slots sized by default (each holds every GDN layer's recurrent state)
 MAX_CHECKPOINT_SLOTS = 64
@@ -74,7 +76,9 @@ class MemoryPlan:
 
     device: str  # "cuda": sized from the device memory; "cpu": from max_context x max_concurrency
     max_context: int  # longest prompt + generated tokens of one request
-    context_from: str  # "model" (its positions fit), "fits" (the largest that fits), "given", "default" (CPU)
+    # "model" (its positions fit), "fits" (the largest that fits), "given", "default" (CPU), "reference"
+    # (CUDA with the reference op table: CPU_DEFAULT_MAX_CONTEXT)
+    context_from: str
     page_size: int
     kv_pages: int  # the shared KV pool (lanes and checkpoints), every attention layer's (and the drafter's)
     page_bytes: int  # one page id in every attention layer, the decode backend's included
@@ -124,6 +128,7 @@ class MemoryPlan:
             "fits": "(the most one request can hold in this pool; the model allows more)",
             "given": "(given)",
             "default": "(the CPU default)",
+            "reference": "(the reference op table's default; --max-context raises it)",
         }[self.context_from]
         slots = (
             f"{self.lane_slots} lane + {self.checkpoint_slots} checkpoint state slots "
@@ -168,6 +173,14 @@ def attention_workspace(
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+def default_ceiling(positions: int, config: EngineConfig, device: torch.device) -> int:
+    """The longest default ``max_context`` on CUDA: the model's positions with the fast op table, at
+    most ``CPU_DEFAULT_MAX_CONTEXT`` with the reference one (see there)."""
+    if resolve_kernels(device, config.kernels) == "fast":
+        return positions
+    return min(positions, CPU_DEFAULT_MAX_CONTEXT)
 
 
 def plan_memory(
@@ -261,10 +274,10 @@ def plan_memory(
                 f"GiB) and {lane_slots + checkpoint_slots} state slots, within {fraction:g} of "
                 f"{total_bytes / GIB:.1f} GiB; lower --max-context or {flags}"
             )
-    elif fits(positions):
-        context, source = positions, "model"
+    elif fits(ceiling := default_ceiling(positions, config, device)):
+        context, source = ceiling, "model" if ceiling == positions else "reference"
     else:
-        lo, hi = 0, positions // page  # the largest whole number of pages that fits (fits() is monotone)
+        lo, hi = 0, ceiling // page  # the largest whole number of pages that fits (fits() is monotone)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid * page) else (lo, mid - 1)
