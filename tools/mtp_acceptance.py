@@ -32,10 +32,13 @@ def held_out_prompts(count: int, chars: int) -> list[str]:
     return prompts
 
 
-def measure(artifact: str, k: int, temperature: float, prompts: list[str], tokens: int, device: str) -> dict:
+def measure(
+    artifact: str, k: int, temperature: float, prompts: list[str], tokens: int, device: str,
+    draft_vocab: int | None = None,
+) -> dict:  # fmt: skip
     config = EngineConfig(
         device=device, speculative=f"mtp:{k}", max_concurrency=8, max_context=2048, prefix_cache=False,
-        queue_capacity=len(prompts), warmup=False,
+        queue_capacity=len(prompts), warmup=False, draft_vocab=draft_vocab,
     )  # fmt: skip
     with Engine(artifact, config) as engine:
         handles = [
@@ -53,6 +56,7 @@ def measure(artifact: str, k: int, temperature: float, prompts: list[str], token
     return {
         "k": k,
         "temperature": temperature,
+        "draft_vocab": draft_vocab,
         "requests": len(prompts),
         "rounds": rounds,
         "mean_accepted_length": round(1 + accepted / rounds, 3),
@@ -69,14 +73,18 @@ def main() -> None:
     p.add_argument("--chars", type=int, default=600)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--ks", default="1,2,3,4", help="draft lengths K")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--draft-vocab", default="", help="draft head shortlists (EngineConfig.draft_vocab)")
     args = p.parse_args()
     prompts = held_out_prompts(args.prompts, args.chars)
     artifact = args.artifact or bundled_artifact()
-    for temperature in (0.0, 0.7):
-        for k in (1, 2, 3, 4):
-            print(
-                json.dumps(measure(artifact, k, temperature, prompts, args.tokens, args.device)), flush=True
-            )
+    vocabs = [int(v) for v in args.draft_vocab.split(",") if v] or [None]
+    for vocab in vocabs:
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            for k in (int(x) for x in args.ks.split(",")):
+                line = measure(artifact, k, temperature, prompts, args.tokens, args.device, vocab)
+                print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

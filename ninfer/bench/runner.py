@@ -46,6 +46,7 @@ class BenchOptions:
     decode_lookahead: bool | None = None  # EngineConfig.decode_lookahead
     kernels: str = "auto"  # EngineConfig.kernels
     speculative: str | None = None  # EngineConfig.speculative
+    draft_vocab: int | None = None  # EngineConfig.draft_vocab
     seed: int = 0  # random weights (synthetic) and prompt ids
     copy_bytes: int | None = None  # probe sizes (None: the device's default)
     matmul_n: int | None = None
@@ -83,6 +84,7 @@ def engine_config(options: BenchOptions) -> EngineConfig:
         decode_lookahead=options.decode_lookahead,
         kernels=options.kernels,  # type: ignore[arg-type]
         speculative=options.speculative,
+        draft_vocab=options.draft_vocab,
         warmup=True,
         # the decode and prefill figures are of cold prompts either way (every prompt is distinct random
         # ids); the cache on adds its lookups and the captures inside long prompts (capture_interval)
@@ -249,6 +251,7 @@ def build_report(
             "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
             "kernels": resolve_kernels(started.device, options.kernels),
             "speculative": options.speculative,
+            "draft_vocab": options.draft_vocab,
             "prefix_cache": options.prefix_cache,
             "seed": options.seed,
         },

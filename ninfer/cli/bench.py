@@ -115,6 +115,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "accepted per row on average, through the real verify and commit; output text is meaningless)",
     )
     p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --speculative mtp:K: the draft head scores only the first N token ids "
+        "(EngineConfig.draft_vocab; default: the whole vocabulary)",
+    )
+    p.add_argument(
         "--prefix-cache",
         choices=["on", "off"],
         default=None,
@@ -286,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
             decode_lookahead=decode_lookahead(args),
             kernels=args.kernels,
             speculative=args.speculative,
+            draft_vocab=args.draft_vocab,
             seed=args.seed,
             prefix_cache=multi or args.prefix_cache == "on",
             cache_memory_gb=args.cache_memory_gb,

@@ -123,6 +123,14 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
         help="speculative decoding with the model's MTP head, K = 1..8 drafts per verify (default off; "
         "the output is the same as without)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --speculative mtp:K, the draft head scores only the first N token ids (the frequent "
+        "ones), reading that slice of lm_head per draft; lossless (default: the whole vocabulary)",
+    )
 
 
 def on_off(text: str) -> bool:
@@ -177,6 +185,7 @@ def reuse_config(args: argparse.Namespace) -> dict[str, Any]:
         "cache_memory_gb": args.cache_memory_gb,
         "capture_interval": args.capture_interval,
         "speculative": args.speculative,
+        "draft_vocab": args.draft_vocab,
     }
     return {name: value for name, value in given.items() if value is not None}
 

@@ -69,6 +69,21 @@ def test_mtp_decodes_the_plain_tokens_on_cuda(k: int, dtype: str) -> None:
     for a, b in zip(mtp, plain):
         _agree(a, b, dtype)
     assert backend.accepted > 0  # type: ignore[attr-defined]
+    assert backend.graph_replays > 0  # type: ignore[attr-defined]  # the rounds' MTP work ran as graphs
+    assert sum(r.usage.accepted_draft_tokens for r in mtp) > 0
+
+
+def test_a_shortlist_draft_head_decodes_the_plain_tokens_on_cuda() -> None:
+    """``draft_vocab`` slices lm_head for the draft head (the fast GEMV over a row block of it)."""
+    requests = [GenerationRequest(prompt=t, max_tokens=48, temperature=0.0, logprobs=True, top_logprobs=2)
+                for t in TEXTS]  # fmt: skip
+    with _engine(bundled_artifact(), "float32", prefix_cache=False) as engine:
+        plain = _run(engine, requests)
+    shortlist = {"speculative": "mtp:3", "draft_vocab": 2048}
+    with _engine(bundled_artifact(), "float32", prefix_cache=False, **shortlist) as engine:
+        mtp = _run(engine, requests)
+    for a, b in zip(mtp, plain):
+        _agree(a, b, "float32")
     assert sum(r.usage.accepted_draft_tokens for r in mtp) > 0
 
 

@@ -132,6 +132,31 @@ def test_the_demo_head_accepts_and_stays_lossless(k: int, mc: int) -> None:
     assert all(r.usage.drafted_tokens == 0 for r in _demo_plain(40))
 
 
+@pytest.mark.parametrize("draft_vocab", [1, 300, 2048])
+def test_a_shortlist_draft_head_stays_lossless(draft_vocab: int) -> None:
+    """``draft_vocab``: the draft head scores only the first ids (a single one: every draft is token 0);
+    the verify scores them all, so the tokens are plain decoding's whatever the shortlist, and a draft
+    is never outside it."""
+    proposed: list[int] = []
+    with demo_engine("mtp:3", 4, draft_vocab=draft_vocab) as engine:
+        backend = engine.core.program.backend
+        assert isinstance(backend, MtpDraft)
+        drafts = backend.drafts
+        backend.drafts = lambda seq: proposed.extend(d := drafts(seq)) or d  # type: ignore[method-assign]
+        got = run_all(engine, [_demo_request(t, 40) for t in DEMO_TEXTS])
+    assert_same(got, list(_demo_plain(40)))
+    assert proposed and max(proposed) < draft_vocab
+    if draft_vocab == 2048:  # most of the demo text's tokens are among its first 2,048 ids
+        assert backend.accepted > 0.25 * backend.drafted / 3
+
+
+def test_draft_vocab_needs_mtp() -> None:
+    with pytest.raises(ValueError, match="draft_vocab needs speculative 'mtp:K'"):
+        EngineConfig(draft_vocab=1024)
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
+        EngineConfig(speculative="mtp:2", draft_vocab=0)
+
+
 def test_rows_ending_inside_a_draft() -> None:
     """A stop token, a stop string and max_tokens that fall inside an accepted draft end the row where
     plain decoding ends it; so does the budget's forced control of a thinking chat."""

@@ -162,7 +162,8 @@ def decode_backend(config: EngineConfig, lookahead: bool, variant: Variant) -> D
         )
     if not variant.mtp_num_hidden_layers:
         raise ValueError(f"speculative {config.speculative!r}: this model has no MTP layer")
-    return MtpDraft(draft_tokens=spec.draft_tokens, layers=variant.mtp_num_hidden_layers)
+    head = min(config.draft_vocab or variant.vocab_size, variant.vocab_size)
+    return MtpDraft(draft_tokens=spec.draft_tokens, layers=variant.mtp_num_hidden_layers, head_rows=head)
 
 
 def state_bytes(

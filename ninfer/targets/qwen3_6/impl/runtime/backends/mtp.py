@@ -18,6 +18,12 @@ fed draft k and the MTP's own previous output (after ``mtp.norm``), all greedy. 
 up to 2K - 1 positions past the frontier before the next round overwrites them; the reservation covers
 them (`extra_tokens`).
 
+With CUDA graphs on, a round's MTP work (`after_verify`: the MTP over the verify's positions, the K - 1
+chained steps, the K draft heads) is one captured graph per B, replayed after the verify graph: it reads
+only device tensors (the verify step's packed facts, its hidden states, drawn tokens and accepted
+counts), so no host fact enters the round after the verify is queued. The MTP at the end of a prefill
+(`observe`) and the rare re-draft after a capped round stay eager.
+
 Lossless by construction: the verify accepts by the target's rule, whatever the drafts are.
 """
 
@@ -30,9 +36,11 @@ import torch
 
 from ninfer.runtime.contract.types import ProgramInvariantError, SequenceHandle
 from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
-from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, StepRun
+from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
+from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.model import StepBatch, mtp_forward
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
+from ninfer.targets.qwen3_6.model import StateStore, StepBatch, mtp_forward
 
 
 @dataclass(eq=False)
@@ -50,18 +58,80 @@ class _Drafts:
     outputs: torch.Tensor | None = None  # [K + 1, H]
 
 
+@dataclass(eq=False)
+class _RoundGraph:
+    """`MtpDraft._round` captured for B rows: static inputs copied in before each replay, static outputs."""
+
+    step: PackedStep  # the verify step's packed facts (a placeholder at capture)
+    drawn: torch.Tensor  # [B * T] the target's tokens at each verified position
+    hidden: torch.Tensor  # [B * T, H] the target's final-norm hidden states there
+    accepted: torch.Tensor  # [B] int64, the drafts each row accepted
+    graph: torch.cuda.CUDAGraph
+    proposed: torch.Tensor | None = None  # [B, K] the next round's drafts
+
+
 class MtpDraft(VerifyRound):
     name = "mtp"
     observes_steps = True
 
-    def __init__(self, *, draft_tokens: int, layers: int) -> None:
+    def __init__(self, *, draft_tokens: int, layers: int, head_rows: int | None = None) -> None:
+        """``head_rows``: the draft head scores the first this many token ids (`EngineConfig.draft_vocab`;
+        None: all)."""
         super().__init__(draft_tokens=draft_tokens)
         self._layers = layers
+        self._head_rows = head_rows
+        self._head: torch.Tensor | None = None  # lm_head's first head_rows rows (a view, no copy)
         self._pending: dict[int, _Drafts] = {}  # sequence index -> its next round's drafts
+        self._outputs: torch.Tensor | None = None  # [S, K + 1, H]: each sequence's last round's MTP outputs
+        self._graphs: dict[int, _RoundGraph] = {}  # B -> the captured round
+        self.graph_replays = 0  # rounds whose MTP work ran as a graph (observability; tests read it)
+        self._checked = False  # during capture: every MTP pass under the PDL schedule check
 
     @property
     def kv_layers(self) -> int:
         return self._layers
+
+    def bind(self, executor: StepExecutor, sampler: Sampler, kv: StateStore | None = None) -> None:
+        super().bind(executor, sampler, kv)
+        self._head = executor.view.text.lm_head[: self._head_rows]
+        sequences = executor.steps.block_tables.shape[0]
+        hidden = executor.variant.hidden_size
+        device, dtype = executor.view.text.embed.device, executor.view.text.embed.dtype
+        self._outputs = torch.zeros(sequences, self.tokens_per_step, hidden, dtype=dtype, device=device)
+        if executor.graphs is not None:  # the verify runs in graphs: so does the MTP work after it
+            self._capture(executor, sequences, hidden, device, dtype)
+
+    def _capture(
+        self, executor: StepExecutor, sequences: int, hidden: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """One graph of `_round` per B, at Program construction (before any sequence: the placeholder rows
+        write MTP KV at page 0 and outputs at sequence index 0, which nothing depends on yet). A pool of
+        its own: the verify graph's outputs, which the round reads, live in the step graphs' pool."""
+        t = self.tokens_per_step
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        self._checked = True
+        try:
+            with torch.cuda.stream(stream):
+                for rows in sorted({b for b, tokens in executor.graphs.shapes if tokens == t}, reverse=True):
+                    g = _RoundGraph(
+                        StepBuilder.placeholder(rows, t, 0, device),
+                        torch.zeros(rows * t, dtype=torch.long, device=device),
+                        torch.zeros(rows * t, hidden, dtype=dtype, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.cuda.CUDAGraph(),
+                    )
+                    for _ in range(2):  # warm the allocator and the kernel modules outside the capture
+                        self._round(g.step, g.drawn, g.hidden, g.accepted)
+                    with torch.cuda.graph(g.graph, pool=pool, stream=stream):
+                        g.proposed = self._round(g.step, g.drawn, g.hidden, g.accepted)
+                    self._graphs[rows] = g
+        finally:
+            self._checked = False
+        torch.cuda.current_stream(device).wait_stream(stream)
+        assert self._outputs is not None
+        self._outputs.zero_()
 
     @property
     def extra_tokens(self) -> int:
@@ -85,8 +155,9 @@ class MtpDraft(VerifyRound):
             last = seq.frontier - 1
             at = _on_device([last], pending.outputs.device)
             self._chain(
-                [seq], pending.outputs[last - pending.base : last - pending.base + 1], at, [seq.frontier]
-            )
+                [seq], pending.outputs[last - pending.base : last - pending.base + 1].clone(), at,
+                [seq.frontier],
+            )  # fmt: skip
             pending = self._pending[seq.handle.index]
         if pending.done is not None:
             pending.done.synchronize()
@@ -105,21 +176,46 @@ class MtpDraft(VerifyRound):
             self._chain(seqs, out.index_select(0, last), positions, ends)
 
     def after_verify(self, seqs: Sequence[SequenceState], run: StepRun, queued: QueuedVerify) -> None:
-        assert self._executor is not None and run.hidden is not None
-        batch = self._executor.steps.unpack(run.step)
-        t = self.tokens_per_step
-        out = self._mtp(queued.drawn.flatten(), run.hidden, batch)
-        # the row's last accepted position: the frontier plus the drafts it accepted (whose MTP output
-        # pairs it with the target's token after them); the frontier the drafts follow is known once the
-        # acceptance is read back (`after_read`)
-        accepted = queued.drawn_accepted.long()
-        last = torch.arange(len(seqs), device=out.device) * t + accepted
-        frontiers = _on_device([s.frontier for s in seqs], out.device)
-        self._chain(seqs, out.index_select(0, last), frontiers + accepted, None)
-        outputs = out.view(len(seqs), t, -1)
-        for i, seq in enumerate(seqs):
+        assert run.hidden is not None and self._outputs is not None
+        drawn, accepted = queued.drawn.flatten(), queued.drawn_accepted.long()
+        g = self._graphs.get(len(seqs))
+        if g is not None and run.step.values.shape == g.step.values.shape:
+            g.step.values.copy_(run.step.values)
+            g.drawn.copy_(drawn)
+            g.hidden.copy_(run.hidden)
+            g.accepted.copy_(accepted)
+            g.graph.replay()
+            self.graph_replays += 1
+            assert g.proposed is not None
+            proposed = g.proposed
+        else:
+            proposed = self._round(run.step, drawn, run.hidden, accepted)
+        # the frontier the drafts follow is known once the acceptance is read back (`after_read`)
+        self._queue(seqs, proposed, None)
+        for seq in seqs:
             pending = self._pending[seq.handle.index]
-            pending.base, pending.outputs = seq.frontier, outputs[i]
+            pending.base, pending.outputs = seq.frontier, self._outputs[seq.handle.index]
+
+    def _round(
+        self, step: PackedStep, drawn: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor
+    ) -> torch.Tensor:
+        """A verify round's MTP work from device tensors only (capturable): the MTP over the verify's
+        B x T positions paired with the target's tokens ``drawn`` there, each sequence's outputs kept
+        (`_outputs`, for a re-draft), then the next drafts [B, K] from each row's last accepted position
+        (the frontier plus the drafts it accepted, whose MTP output pairs it with the target's token
+        after them). The frontiers, sequence indices and rope offsets come from the packed step: a
+        verify row's context is its frontier + T, its first position the frontier + its rope offset."""
+        executor = self._executor
+        assert executor is not None and self._outputs is not None
+        t = self.tokens_per_step
+        out = self._mtp(drawn, hidden, executor.steps.unpack(step))
+        f = step.fields()
+        index = f.sequence_index
+        self._outputs.index_copy_(0, index, out.view(step.num_rows, t, -1))
+        frontiers = f.context_lens - t
+        last = torch.arange(step.num_rows, device=out.device) * t + accepted
+        delta = f.positions.view(step.num_rows, t)[:, 0] - frontiers
+        return self._propose(out.index_select(0, last), frontiers + accepted, index, delta)
 
     def after_read(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
         for seq, a in zip(seqs, accepted):  # the drafts follow the row's whole round
@@ -129,7 +225,12 @@ class MtpDraft(VerifyRound):
         executor = self._executor
         assert executor is not None and self._kv is not None
         view, variant, kernels = executor.view, executor.variant, executor.kernels
-        return mtp_forward(view, variant, following, hidden, batch, self._kv, kernels)
+        if not self._checked:
+            return mtp_forward(view, variant, following, hidden, batch, self._kv, kernels)
+        from ninfer.ops.triton.schedule import checked_schedule
+
+        with checked_schedule(tokens_per_row=batch.tokens_per_row):  # a captured pass's PDL launches
+            return mtp_forward(view, variant, following, hidden, batch, self._kv, kernels)
 
     def _chain(
         self,
@@ -138,18 +239,34 @@ class MtpDraft(VerifyRound):
         positions: torch.Tensor,
         frontiers: Sequence[int] | None,
     ) -> None:
-        """The next round's drafts of each row: draft 1 from the MTP output ``out`` [B, H] at the row's
-        last position (``positions``, on the device), then K - 1 chained MTP steps one position on each;
-        their host copy is queued, tagged with the frontier the row reaches when it commits all it
-        produced (``frontiers``; after a verify, set once its acceptance is read)."""
+        """The next round's drafts of each row from the MTP output ``out`` [B, H] at the row's last
+        position (``positions``, on the device), tagged with the frontier the row reaches when it commits
+        all it produced (``frontiers``; after a verify, set once its acceptance is read)."""
+        device = out.device
+        index = _on_device([s.handle.index for s in seqs], device)
+        delta = _on_device([s.rope_delta for s in seqs], device)
+        self._queue(seqs, self._propose(out, positions, index, delta), frontiers)
+
+    def _propose(
+        self, out: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, delta: torch.Tensor
+    ) -> torch.Tensor:
+        """Drafts [B, K]: draft 1 from ``out`` through the draft head, then K - 1 chained MTP steps one
+        position on each (device tensors only: ``index`` the rows' sequence indices, ``delta`` their rope
+        offsets)."""
         executor = self._executor
-        assert executor is not None
-        kernels, lm_head = executor.kernels, executor.view.text.lm_head
+        assert executor is not None and self._head is not None
+        kernels, lm_head = executor.kernels, self._head  # the ids of its rows are the tokens'
         drafts = [kernels.argmax(kernels.logits(out, lm_head), None)]
         for k in range(1, self.draft_tokens):
-            out = self._mtp(drafts[-1], out, self._chain_step(seqs, drafts[-1], positions + k))
+            step = self._chain_step(drafts[-1], positions + k, index, delta)
+            out = self._mtp(drafts[-1], out, step)
             drafts.append(kernels.argmax(kernels.logits(out, lm_head), None))
-        proposed = torch.stack(drafts, dim=1)  # [B, K]
+        return torch.stack(drafts, dim=1)
+
+    def _queue(
+        self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
+    ) -> None:
+        """Queue the drafts' host copy behind the work that computes them."""
         host = proposed.to("cpu", non_blocking=True)
         done = None
         if proposed.is_cuda:
@@ -160,7 +277,7 @@ class MtpDraft(VerifyRound):
             self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)
 
     def _chain_step(
-        self, seqs: Sequence[SequenceState], tokens: torch.Tensor, positions: torch.Tensor
+        self, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, delta: torch.Tensor
     ) -> StepBatch:
         """A one-token-per-row step at device ``positions`` (no host sync): the MTP layer's attention
         reads the row's block table and writes its KV slot there; no GDN state is touched."""
@@ -168,9 +285,7 @@ class MtpDraft(VerifyRound):
         assert executor is not None
         steps = executor.steps
         device = positions.device
-        rows = len(seqs)
-        index = _on_device([s.handle.index for s in seqs], device)
-        delta = _on_device([s.rope_delta for s in seqs], device)
+        rows = tokens.shape[0]
         table = steps.block_tables.index_select(0, index)
         ps = steps.page_size
         page = table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1).long()
