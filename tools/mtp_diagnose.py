@@ -10,7 +10,9 @@ fault; the plain runs are also compared across configurations (the op tables' ow
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import time
 
 from ninfer import Engine, EngineConfig, GenerationRequest, GenerationResult
 from ninfer.cli.common import bundled_artifact
@@ -64,7 +66,10 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--ks", default="1,3")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after S seconds")
     args = p.parse_args()
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after, repeat=True)
     artifact = str(bundled_artifact())
     for dtype in args.dtypes.split(","):
         plains: dict[str, list[GenerationResult]] = {}
@@ -80,8 +85,14 @@ def main() -> None:
                     line["parts"] = [parting(a, b) for a, b in zip(plain, plains[first])]
                     print(json.dumps(line), flush=True)
                 for k in (int(x) for x in args.ks.split(",")):
+                    t0 = time.perf_counter()
                     mtp = _run(artifact, args.device, dtype, f"mtp:{k}", fields)
-                    line = {"dtype": dtype, "config": name, "k": k}
+                    line = {
+                        "dtype": dtype,
+                        "config": name,
+                        "k": k,
+                        "seconds": round(time.perf_counter() - t0, 1),
+                    }
                     line["parts"] = [parting(a, b) for a, b in zip(mtp, plain)]
                     line["accepted"] = [r.usage.accepted_draft_tokens for r in mtp]
                     line["drafted"] = [r.usage.drafted_tokens for r in mtp]
