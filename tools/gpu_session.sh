@@ -15,8 +15,9 @@
 # prompt arrives, pacing on and off),
 # start27: a synthetic full-size 27B artifact loaded by bench), multiturn27/35 (a 10-turn agent conversation
 # through the context cache, 2,048 new tokens a turn; MT_TIMEOUT, MT_ARGS), image27/35 (the vision tower and
-# one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS).
-# savecache: the Triton cache as $OUT/triton-cache.tgz, to carry (as .triton-cache.tgz) next session.
+# one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS), context27/35 (the long-context decode at
+# 32k/128k/256k, B=1 and 8, each context's rows sharing one prefilled prompt, and a 128k prefill; CTX_TIMEOUT,
+# CTX_ARGS: extra flags, later ones win, e.g. --context 262144 --batch 1,4).
 # Each call is cut at 10 minutes: put the step that must finish first.
 # Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
 set -u
@@ -29,10 +30,6 @@ fi
 # tests import `tools/` as `ninfer_tools` (setup.py's package_dir); the image runs the tree uninstalled
 mkdir -p /tmp/alias && ln -sfn "$PWD/tools" /tmp/alias/ninfer_tools
 export PYTHONPATH=$PWD:/tmp/alias:$PYTHONPATH FLA_FLASH_QLA=0
-# a Triton cache carried from an earlier session (`savecache` wrote it; carry .triton-cache.tgz) spares
-# the minutes of compiling on a fresh machine
-export TRITON_CACHE_DIR=/tmp/triton-cache; mkdir -p "$TRITON_CACHE_DIR"
-[ -f .triton-cache.tgz ] && tar xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
 BENCH="python3 -m ninfer bench --json"
 for step in "$@"; do
   t0=$(date +%s)
@@ -96,7 +93,8 @@ for step in "$@"; do
     multiturn35) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn35.json" ;;
     image27) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image27.json" ;;
     image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35.json" ;;
-    savecache) tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tgz" ;;
+    context27) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_27b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context27.json" ;;
+    context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35.json" ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?

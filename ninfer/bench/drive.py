@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ninfer.runtime.engine.engine import Engine, GenerationHandle
+from ninfer.runtime.engine.engine import Engine, EngineCapacity, GenerationHandle
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, GenerationStart
 
 DECODE = "decode"
@@ -55,12 +55,18 @@ class UnitTimeline:
 @dataclass(frozen=True)
 class BenchPlan:
     batches: tuple[int, ...]
-    context: int  # prompt tokens of each decode-measurement request
+    context: int  # prompt tokens of each decode-measurement request (cold prompts)
     decode_steps: int  # decode rounds of all B rows timed per B (and TPOT intervals)
     prefill_tokens: int
     prefill_repeats: int
     prefill_chunk: int  # EngineConfig.prefill_chunk_tokens
     tokens_per_round: int = 1  # the most tokens a row may produce per decode round (K + 1 speculating)
+    # long-context decode (`ninfer.bench.context`): the contexts whose B rows share one prefilled prompt
+    # through the context cache; empty: cold prompts of ``context`` tokens
+    contexts: tuple[int, ...] = ()
+    # output tokens of each prefill request (None: decode_steps + 1); fewer lets a prompt near the model's
+    # positions be measured
+    prefill_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -68,26 +74,42 @@ class BenchPlan:
         for name in ("context", "decode_steps", "prefill_tokens", "prefill_repeats", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if any(n < 1 for n in self.contexts):
+            raise ValueError(f"contexts must be >= 1, got {self.contexts}")
+        if self.prefill_output_tokens is not None and self.prefill_output_tokens < 2:
+            raise ValueError(f"prefill_output_tokens must be >= 2 (TPOT), got {self.prefill_output_tokens}")
 
-    def decode_max_tokens(self, batch: int) -> int:
+    @property
+    def prefill_max_tokens(self) -> int:
+        """Output tokens of each prefill request (the first from the prefill, the rest time TPOT)."""
+        return self.prefill_output_tokens or self.decode_steps + 1
+
+    def decode_max_tokens(self, batch: int, row_prefill: int | None = None) -> int:
         """Output budget of each request at ``batch``: the first token (from prefill), ``decode_steps + 1``
         full rounds, and the rounds the first request may run while the other ``batch - 1`` prefill (one
-        after each of their prompt chunks), plus slack."""
-        chunks = math.ceil(self.context / self.prefill_chunk)
+        after each of their prompt chunks), plus slack. ``row_prefill``: prompt tokens each row prefills
+        (default ``context``; fewer when it continues a checkpoint)."""
+        chunks = math.ceil((self.context if row_prefill is None else row_prefill) / self.prefill_chunk)
         rounds = (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
         return 1 + rounds * self.tokens_per_round
 
     @property
     def max_context(self) -> int:
-        """Positions one request may need: the Engine's max_context."""
-        decode = self.context + self.decode_max_tokens(max(self.batches))
-        return max(decode, self.prefill_tokens + self.decode_steps + 1)
+        """Positions one request may need: the Engine's max_context (cold decode and prefill; the
+        long-context decode's own need is `ninfer.bench.context.LongContextPlan.max_context`)."""
+        prefill = self.prefill_tokens + self.prefill_max_tokens
+        if self.contexts:
+            return prefill
+        return max(self.context + self.decode_max_tokens(max(self.batches)), prefill)
 
 
 @dataclass(frozen=True)
 class DecodeSample:
     batch: int
     step_s: tuple[float, ...]  # the timed full rounds, in order
+    context: int = 0  # the context asked for (long-context decode; 0: the plan's cold ``context``)
+    prompt_tokens: int = 0  # each row's prompt (long-context decode)
+    reused_tokens: tuple[int, ...] = ()  # each row's reused_prefix_tokens (long-context decode)
 
     @property
     def median_s(self) -> float:
@@ -139,9 +161,12 @@ class PromptSource:
         return [self._rng.randrange(self._bound) for _ in range(length)]
 
 
-def greedy_request(prompt: list[int], max_tokens: int) -> GenerationRequest:
-    """A bench request: greedy, past end-of-sequence tokens, exactly ``max_tokens`` tokens."""
-    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy_request(prompt: list[int], max_tokens: int, prefix_cache: bool = True) -> GenerationRequest:
+    """A bench request: greedy, past end-of-sequence tokens, exactly ``max_tokens`` tokens;
+    ``prefix_cache=False`` keeps it out of the context cache (no lookup, no capture)."""
+    return GenerationRequest(
+        prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prefix_cache=prefix_cache
+    )
 
 
 def _finished(handle: GenerationHandle, expected_tokens: int) -> GenerationResult:
@@ -162,25 +187,29 @@ class EngineDriver:
         self.plan = plan
         self.prompts = prompts
         self.timeline = UnitTimeline()
+        # the long-context decode runs the cache on for its shared prompts; its prefill figures stay cold
+        # and in whole chunks (a capture would end a unit early)
+        self.prefill_cache = not plan.contexts
         engine.observe_units(self.timeline)
 
     def warm_up(self) -> None:
         """One untimed prefill of the measured length (allocator growth, kernel selection)."""
-        with self.engine.submit(greedy_request(self.prompts.take(self.plan.prefill_tokens), 2)) as handle:
+        prompt = self.prompts.take(self.plan.prefill_tokens)
+        with self.engine.submit(greedy_request(prompt, 2, self.prefill_cache)) as handle:
             _finished(handle, 2)
 
     def prefill_once(self) -> PrefillSample:
-        steps = self.plan.decode_steps
+        tokens = self.plan.prefill_max_tokens
         first = len(self.timeline.marks)
         token_times: list[float] = []
-        request = greedy_request(self.prompts.take(self.plan.prefill_tokens), steps + 1)
+        request = greedy_request(self.prompts.take(self.plan.prefill_tokens), tokens, self.prefill_cache)
         t0 = time.perf_counter()
         with self.engine.submit(request) as handle:
             for event in handle:
                 if isinstance(event, GenerationDelta) and event.token_ids:
                     now = time.perf_counter()
                     token_times.extend(now for _ in event.token_ids)
-            _finished(handle, steps + 1)
+            _finished(handle, tokens)
         return PrefillSample(
             prefill_s=prefill_span(self.timeline.marks[first:]),
             ttft_s=token_times[0] - t0,
@@ -188,24 +217,31 @@ class EngineDriver:
         )
 
     def decode_at(self, batch: int) -> DecodeSample:
+        """B cold rows: distinct prompts of ``context`` tokens, each prefilled."""
+        max_tokens = self.plan.decode_max_tokens(batch)
+        requests = [greedy_request(self.prompts.take(self.plan.context), max_tokens) for _ in range(batch)]
+        steps, _ = self.run_rows(requests)
+        return DecodeSample(batch, steps)
+
+    def run_rows(self, requests: Sequence[GenerationRequest]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """Submit ``requests`` together; the first ``decode_steps`` rounds of all of them, and each one's
+        reused prompt tokens (``Usage.reused_prefix_tokens``)."""
+        batch = len(requests)
         limit = self.engine.config.max_concurrency
         if batch > limit:
             raise BenchError(f"B={batch} exceeds the Engine's max_concurrency {limit}")
-        max_tokens = self.plan.decode_max_tokens(batch)
         first = len(self.timeline.marks)
-        requests = [greedy_request(self.prompts.take(self.plan.context), max_tokens) for _ in range(batch)]
         handles = [self.engine.submit(r) for r in requests]
         try:
             # poll instead of blocking on the event queues: a blocked consumer would wake on every token
             while not all(h.done for h in handles):
                 time.sleep(POLL_S)
-            for handle in handles:
-                _finished(handle, max_tokens)
+            results = [_finished(h, r.max_tokens or 0) for h, r in zip(handles, requests)]
         finally:
             for handle in handles:
                 handle.close()
         steps = full_round_intervals(self.timeline.marks[first:], batch, self.plan.decode_steps)
-        return DecodeSample(batch, tuple(steps))
+        return tuple(steps), tuple(r.usage.reused_prefix_tokens for r in results)
 
 
 @dataclass(frozen=True)
@@ -254,22 +290,43 @@ class TimedDriver(EngineDriver):
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A (context, B) of the long-context decode that was not run, and why."""
+
+    context: int
+    batch: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Measurements:
     prefill: tuple[PrefillSample, ...]
     decode: tuple[DecodeSample, ...]
+    skipped: tuple[Skipped, ...] = ()
+    capacity: EngineCapacity | None = None  # the Engine's pool and limit (the long-context decode reads it)
 
 
-def measure(driver: EngineDriver, log: Callable[[str], None]) -> Measurements:
-    """Warm-up, ``prefill_repeats`` prefill runs, then one decode run per B (ascending)."""
+def measure_prefill(driver: EngineDriver, log: Callable[[str], None]) -> tuple[PrefillSample, ...]:
+    """Warm-up, then ``prefill_repeats`` prefill runs."""
     plan = driver.plan
     log(f"warm-up: one {plan.prefill_tokens}-token prefill")
     driver.warm_up()
     prefill = []
     for i in range(plan.prefill_repeats):
-        log(f"prefill {i + 1}/{plan.prefill_repeats}: {plan.prefill_tokens} tokens + {plan.decode_steps}")
+        log(
+            f"prefill {i + 1}/{plan.prefill_repeats}: {plan.prefill_tokens} tokens + "
+            f"{plan.prefill_max_tokens - 1}"
+        )
         prefill.append(driver.prefill_once())
+    return tuple(prefill)
+
+
+def measure(driver: EngineDriver, log: Callable[[str], None]) -> Measurements:
+    """Warm-up, ``prefill_repeats`` prefill runs, then one decode run per B (ascending)."""
+    plan = driver.plan
+    prefill = measure_prefill(driver, log)
     decode = []
     for batch in sorted(set(plan.batches)):
         log(f"decode B={batch}: {batch} x {plan.context}-token prompts, {plan.decode_steps} timed rounds")
         decode.append(driver.decode_at(batch))
-    return Measurements(tuple(prefill), tuple(decode))
+    return Measurements(prefill, tuple(decode))

@@ -21,6 +21,22 @@ class DecodeRow:
     floor_ms: float  # bytes_step over the measured bandwidth
     bytes_step: int
     tokens_per_round: float = 1.0  # mean tokens a row produces per round (speculative decoding: > 1)
+    kv_bytes: int = 0  # of bytes_step: K and V of the B rows' positions
+    state_bytes: int = 0  # of bytes_step: the B rows' GDN state (read; the long-context floor: and written)
+    # the long-context decode (shared prompts): each row's prompt, the checkpoint's frontier, what each
+    # row reused (empty for cold rows)
+    prompt_tokens: int = 0
+    frontier: int = 0
+    reused_tokens: tuple[int, ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.reused_tokens)
+
+    @property
+    def reused(self) -> bool:
+        """Every row continued the shared prompt's checkpoint (long-context decode)."""
+        return self.shared and self.frontier > 0 and all(r == self.frontier for r in self.reused_tokens)
 
     @property
     def tok_s(self) -> float:
@@ -44,6 +60,10 @@ class PrefillRow:
     ms: float  # median worker time of the whole prompt
     floor_ms: float  # flops over the measured matmul throughput
     flops: int
+    flops_linear: int = 0  # of flops: the matrix products (`roofline.PrefillFlops`)
+    flops_attention: int = 0  # of flops: causal attention, every full-attention layer
+    flops_recurrence: int = 0  # of flops: the GDN recurrence
+    output_tokens: int = 0  # of each prefill request (TPOT is timed over them)
 
     @property
     def tok_s(self) -> float:
@@ -89,6 +109,7 @@ class BenchReport:
     tpot: LatencyRow  # one stream at B=1 after the prefill prompt; floor at that context
     settings: dict[str, Any]
     assumptions: tuple[str, ...]
+    skipped: tuple[Any, ...] = ()  # drive.Skipped: the long-context (N, B) not run, with the reason
 
     def to_json(self) -> dict[str, Any]:
         out = header_json(self)
@@ -107,8 +128,24 @@ class BenchReport:
                     "floor_tok_s": round(r.floor_tok_s, 2),
                     "pct_floor": round(r.pct_floor, 2),
                     "bytes_step": r.bytes_step,
+                    "kv_bytes_step": r.kv_bytes,
+                    "kv_GB_step": round(r.kv_bytes / 1e9, 4),
+                    "state_bytes_step": r.state_bytes,
+                    **(
+                        {
+                            "prompt_tokens": r.prompt_tokens,
+                            "frontier": r.frontier,
+                            "reused_prefix_tokens": list(r.reused_tokens),
+                            "reused": r.reused,
+                        }
+                        if r.shared
+                        else {}
+                    ),
                 }
                 for r in self.decode
+            ],
+            decode_skipped=[
+                {"context": k.context, "batch": k.batch, "reason": k.reason} for k in self.skipped
             ],
             prefill={
                 "tokens": self.prefill.tokens,
@@ -119,6 +156,10 @@ class BenchReport:
                 "floor_ms": round(self.prefill.floor_ms, 4),
                 "pct_floor": round(self.prefill.pct_floor, 2),
                 "flops": self.prefill.flops,
+                "flops_linear": self.prefill.flops_linear,
+                "flops_attention": self.prefill.flops_attention,
+                "flops_recurrence": self.prefill.flops_recurrence,
+                "output_tokens": self.prefill.output_tokens,
             },
             ttft_ms=round(self.ttft.ms, 3),
             ttft_floor_ms=round(self.ttft.floor_ms, 4),
@@ -200,6 +241,26 @@ def render_table(report: BenchReport) -> str:
         f"start-up: {report.startup_s['total']:.2f} s ({phases})"
         + (f"; weights: {report.load}" if report.load else ""),
         "",
+        *(_long_context_lines(report) if "contexts" in s else _decode_lines(report)),
+    ]
+    p, ttft, tpot = report.prefill, report.ttft, report.tpot
+    lines += [
+        "",
+        f"prefill {p.tokens} tokens in chunks of {p.chunk} (median of {p.repeats}): {_ms(p.ms)} ms, "
+        f"{p.tok_s:.0f} tok/s; floor {_ms(p.floor_ms)} ms ({p.flops / 1e12:.3g} TFLOP, attention "
+        f"{100 * p.flops_attention / p.flops:.0f}%), {p.pct_floor:.1f}% of floor",
+        f"TTFT {_ms(ttft.ms)} ms (floor {_ms(ttft.floor_ms)} ms, {ttft.pct_floor:.1f}%); "
+        f"TPOT {_ms(tpot.ms)} ms at B=1, context {p.tokens} (floor {_ms(tpot.floor_ms)} ms, "
+        f"{tpot.pct_floor:.1f}%)",
+        "",
+        *(f"note: {a}" for a in report.assumptions),
+    ]
+    return "\n".join(lines)
+
+
+def _decode_lines(report: BenchReport) -> list[str]:
+    s = report.settings
+    lines = [
         f"decode at context {s['context']} (median of {s['decode_steps']} rounds of all B rows)",
         f"{'B':>3} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'% of floor':>10} "
         f"{'GB/step':>8} {'min..max ms':>16}",
@@ -210,19 +271,29 @@ def render_table(report: BenchReport) -> str:
             f"{r.batch:>3} {_ms(r.ms_step):>9} {r.tok_s:>10.1f} {_ms(r.floor_ms):>9} {r.floor_tok_s:>12.1f} "
             f"{r.pct_floor:>9.1f}% {r.bytes_step / 1e9:>8.3f} {spread:>16}"
         )
-    p, ttft, tpot = report.prefill, report.ttft, report.tpot
-    lines += [
-        "",
-        f"prefill {p.tokens} tokens in chunks of {p.chunk} (median of {p.repeats}): {_ms(p.ms)} ms, "
-        f"{p.tok_s:.0f} tok/s; floor {_ms(p.floor_ms)} ms ({p.flops / 1e12:.3g} TFLOP), "
-        f"{p.pct_floor:.1f}% of floor",
-        f"TTFT {_ms(ttft.ms)} ms (floor {_ms(ttft.floor_ms)} ms, {ttft.pct_floor:.1f}%); "
-        f"TPOT {_ms(tpot.ms)} ms at B=1, context {p.tokens} (floor {_ms(tpot.floor_ms)} ms, "
-        f"{tpot.pct_floor:.1f}%)",
-        "",
-        *(f"note: {a}" for a in report.assumptions),
+    return lines
+
+
+def _long_context_lines(report: BenchReport) -> list[str]:
+    """The long-context decode: one line per (context, B) run, one per skipped."""
+    s = report.settings
+    lines = [
+        f"long-context decode at {', '.join(str(n) for n in s['contexts'])} (each context's B rows share one "
+        f"prefilled prompt through the context cache, capture interval {s['capture_interval']}; median of "
+        f"{s['decode_steps']} rounds of all B rows); KV pool {s['kv_pool_tokens']:,} tokens "
+        f"({s['kv_pool_bytes'] / 1e9:.1f} GB), max_context {s['engine_max_context']:,}",
+        f"{'context':>8} {'prompt':>8} {'B':>3} {'ms/step':>9} {'tok/s':>9} {'floor ms':>9} "
+        f"{'% of floor':>10} {'GB/step':>8} {'KV GB':>7} {'reused':>8}",
     ]
-    return "\n".join(lines)
+    for r in report.decode:
+        reused = f"{min(r.reused_tokens)}" if r.reused else "NO"
+        lines.append(
+            f"{r.context:>8} {r.prompt_tokens:>8} {r.batch:>3} {_ms(r.ms_step):>9} {r.tok_s:>9.1f} "
+            f"{_ms(r.floor_ms):>9} {r.pct_floor:>9.1f}% {r.bytes_step / 1e9:>8.3f} {r.kv_bytes / 1e9:>7.3f} "
+            f"{reused:>8}"
+        )
+    lines += [f"context {k.context} B={k.batch} skipped: {k.reason}" for k in report.skipped]
+    return lines
 
 
 def git_commit() -> str | None:

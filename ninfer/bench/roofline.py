@@ -75,10 +75,11 @@ class DecodeBytes:
     kv: int  # K and V of B x context positions, every full-attention layer
     not_read: int  # MTP + vision weights: resident, not read by a plain decode step
     experts_per_layer: int  # routed experts counted per MoE layer (0 for a dense package)
+    state_write: int = 0  # the GDN state written back (``state`` again), when asked for; else 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.embedding_rows + self.state + self.kv
+        return self.weights + self.embedding_rows + self.state + self.state_write + self.kv
 
 
 def state_bytes_per_sequence(variant: Variant, dtype: torch.dtype) -> int:
@@ -93,8 +94,12 @@ def kv_bytes_per_position(variant: Variant, dtype: torch.dtype) -> int:
     return len(variant.attention_layers) * 2 * variant.kv_dim * dtype_bytes(dtype)
 
 
-def decode_step_bytes(variant: Variant, batch: int, context: int, dtype: torch.dtype) -> DecodeBytes:
-    """Bytes one decode step of ``batch`` sequences, each at ``context`` positions, must read."""
+def decode_step_bytes(
+    variant: Variant, batch: int, context: int, dtype: torch.dtype, *, state_write: bool = False
+) -> DecodeBytes:
+    """Bytes one decode step of ``batch`` sequences, each at ``context`` positions, must read; with
+    ``state_write`` also the GDN state it writes back (the bandwidth probe counts read + write bytes, and
+    at long context the floor is compared closely enough for the 147 MiB a row on the 27B to matter)."""
     if batch < 1 or context < 0:
         raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
     width = dtype_bytes(dtype)
@@ -117,6 +122,7 @@ def decode_step_bytes(variant: Variant, batch: int, context: int, dtype: torch.d
         weights=weights,
         embedding_rows=min(batch, variant.vocab_size) * variant.hidden_size * width,
         state=batch * state_bytes_per_sequence(variant, dtype),
+        state_write=batch * state_bytes_per_sequence(variant, dtype) if state_write else 0,
         kv=batch * context * kv_bytes_per_position(variant, dtype),
         not_read=not_read,
         experts_per_layer=experts,

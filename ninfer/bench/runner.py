@@ -5,11 +5,12 @@ from __future__ import annotations
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 
 import torch
 
+from ninfer.bench.context import LONG_CONTEXT_NOTES, LongContextPlan, SharedPromptDriver, measure_long_context
 from ninfer.bench.drive import BenchPlan, EngineDriver, Measurements, PromptSource, measure
 from ninfer.bench.probes import DeviceProbe, probe_device
 from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, RunHeader, git_commit
@@ -69,9 +70,21 @@ def first_special_id(special: SpecialTokens) -> int:
     return min(ids)
 
 
-def engine_config(options: BenchOptions) -> EngineConfig:
+def engine_config(options: BenchOptions, long_plan: LongContextPlan | None = None) -> EngineConfig:
+    """The Engine under test. With ``long_plan`` (the long-context decode): the context cache on at the
+    plan's capture interval; on CUDA without a max_context, so the pool fills the memory and the limit is
+    the model's, or the most that fits (the (N, B) beyond it are skipped)."""
     plan = options.plan
     concurrency = max(plan.batches)
+    if long_plan is not None:
+        cuda = resolve_device(options.device).type == "cuda"
+        return replace(
+            engine_config(options),
+            max_context=None if cuda else long_plan.max_context,
+            prefix_cache=True,
+            cache_memory_gb=options.cache_memory_gb,
+            capture_interval=long_plan.interval,
+        )
     return EngineConfig(
         max_concurrency=concurrency,
         queue_capacity=concurrency,
@@ -97,11 +110,13 @@ def engine_config(options: BenchOptions) -> EngineConfig:
 def check_fits(plan: BenchPlan, variant: Variant) -> None:
     limit = variant.max_position_embeddings
     if plan.max_context > limit:
+        decode = "" if plan.contexts else (
+            f"context {plan.context} + decode budget {plan.decode_max_tokens(max(plan.batches))}, or "
+        )  # fmt: skip
         raise ValueError(
-            f"the bench needs {plan.max_context} positions per request (context {plan.context} + decode "
-            f"budget {plan.decode_max_tokens(max(plan.batches))}, or prefill {plan.prefill_tokens} + "
-            f"{plan.decode_steps + 1} tokens) but the model holds {limit}; lower --context, --prefill-tokens "
-            "or --decode-steps"
+            f"the bench needs {plan.max_context} positions per request ({decode}prefill "
+            f"{plan.prefill_tokens} + {plan.prefill_max_tokens} tokens) but the model holds {limit}; lower "
+            "--context, --prefill-tokens or --decode-steps"
         )
 
 
@@ -163,17 +178,28 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = lambda _: None
     plan = options.plan
     package, _ = options_package(options)
     check_fits(plan, package.variant)
-    probe, started = probe_and_start(options, engine_config(options), log)
+    positions = package.variant.max_position_embeddings
+    long_plan = LongContextPlan.build(plan, positions) if plan.contexts else None
+    probe, started = probe_and_start(options, engine_config(options, long_plan), log)
     try:
         prompts = PromptSource(first_special_id(package.variant.special), options.seed)
-        measurements = measure(EngineDriver(started.engine, plan, prompts), log)
+        if long_plan is not None:
+            log(started.engine.capacity().describe())
+            driver = SharedPromptDriver(started.engine, plan, prompts)
+            measurements = measure_long_context(driver, long_plan, log)
+        else:
+            measurements = measure(EngineDriver(started.engine, plan, prompts), log)
     finally:
         started.engine.close()
-    return build_report(options, started, probe, measurements)
+    return build_report(options, started, probe, measurements, long_plan)
 
 
 def build_report(
-    options: BenchOptions, started: StartedEngine, probe: DeviceProbe, m: Measurements
+    options: BenchOptions,
+    started: StartedEngine,
+    probe: DeviceProbe,
+    m: Measurements,
+    long_plan: LongContextPlan | None = None,
 ) -> BenchReport:
     plan, variant, dtype = options.plan, started.package.variant, started.dtype
     bandwidth = probe.bandwidth_bytes_per_s
@@ -181,26 +207,39 @@ def build_report(
     # the known backend's rows produce exactly its scripted mean per round; plain decoding one token
     per_round = spec.mean_accepted if spec is not None and spec.mean_accepted is not None else 1.0
     decode = []
+    capacity = m.capacity
+    frontiers = {p.context: p.frontier for p in long_plan.prompts} if long_plan is not None else {}
     for sample in m.decode:
-        bytes_step = decode_step_bytes(variant, sample.batch, plan.context, dtype).total
+        shared = long_plan is not None
+        # the long-context rows' floor is at their prompt positions, the GDN state read and written
+        positions = sample.prompt_tokens if shared else plan.context
+        step = decode_step_bytes(variant, sample.batch, positions, dtype, state_write=shared)
         decode.append(
             DecodeRow(
                 batch=sample.batch,
-                context=plan.context,
+                context=sample.context if shared else plan.context,
                 steps=len(sample.step_s),
                 ms_step=sample.median_s * 1e3,
                 ms_step_min=min(sample.step_s) * 1e3,
                 ms_step_max=max(sample.step_s) * 1e3,
-                floor_ms=bytes_step / bandwidth * 1e3,
-                bytes_step=bytes_step,
+                floor_ms=step.total / bandwidth * 1e3,
+                bytes_step=step.total,
                 tokens_per_round=per_round,
+                kv_bytes=step.kv,
+                state_bytes=step.state + step.state_write,
+                prompt_tokens=positions,
+                frontier=frontiers.get(sample.context, 0),
+                reused_tokens=sample.reused_tokens,
             )
         )
-    flops = prefill_flops(variant, plan.prefill_tokens).total
+    prefill_count = prefill_flops(variant, plan.prefill_tokens)
+    flops = prefill_count.total
     prefill_floor_ms = flops / probe.matmul_flops_per_s * 1e3
     tpot_bytes = decode_step_bytes(variant, 1, plan.prefill_tokens, dtype).total
     phases = dict(started.phases_s, total=started.startup_s)
-    assumptions = DECODE_ASSUMPTIONS + ((MOE_ASSUMPTION,) if variant.moe else ()) + TIMING_NOTES
+    # the long-context floor counts the state write-back: its note replaces the first decode one
+    decode_notes = DECODE_ASSUMPTIONS if long_plan is None else LONG_CONTEXT_NOTES + DECODE_ASSUMPTIONS[1:]
+    assumptions = decode_notes + ((MOE_ASSUMPTION,) if variant.moe else ()) + TIMING_NOTES
     if spec is not None:
         assumptions += (
             f"decode ran speculative {options.speculative}: a round is one verify of {spec.draft_tokens} "
@@ -236,12 +275,29 @@ def build_report(
             ms=statistics.median(s.prefill_s for s in m.prefill) * 1e3,
             floor_ms=prefill_floor_ms,
             flops=flops,
+            flops_linear=prefill_count.linear,
+            flops_attention=prefill_count.attention,
+            flops_recurrence=prefill_count.recurrence,
+            output_tokens=plan.prefill_max_tokens,
         ),
         ttft=LatencyRow(statistics.median(s.ttft_s for s in m.prefill) * 1e3, prefill_floor_ms),
         tpot=LatencyRow(statistics.median(s.tpot_s for s in m.prefill) * 1e3, tpot_bytes / bandwidth * 1e3),
+        skipped=tuple(m.skipped),
         settings={
             "batches": sorted(set(plan.batches)),
             "context": plan.context,
+            **(
+                {
+                    "contexts": [p.context for p in long_plan.prompts],
+                    "capture_interval": long_plan.interval,
+                    "shared_prompts": True,
+                    "kv_pool_tokens": capacity.kv_pool_tokens,
+                    "kv_pool_bytes": capacity.kv_pool_bytes,
+                    "engine_max_context": capacity.max_context,
+                }
+                if long_plan is not None and capacity is not None
+                else {}
+            ),
             "decode_steps": plan.decode_steps,
             "prefill_tokens": plan.prefill_tokens,
             "prefill_repeats": plan.prefill_repeats,
@@ -252,7 +308,7 @@ def build_report(
             "kernels": resolve_kernels(started.device, options.kernels),
             "speculative": options.speculative,
             "draft_vocab": options.draft_vocab,
-            "prefix_cache": options.prefix_cache,
+            "prefix_cache": options.prefix_cache or long_plan is not None,
             "seed": options.seed,
         },
         assumptions=assumptions,

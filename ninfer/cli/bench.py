@@ -3,7 +3,9 @@
 Prints decode ms/step and tok/s per batch size B at a given context, prefill tok/s, TTFT and TPOT, each
 beside the roofline of the package measured in the same run (bytes a decode step must read over the
 measured memory bandwidth; prefill FLOPs over the measured matmul throughput), and the start-up time.
-Without an artifact and without ``--synthetic`` the bundled demo model runs. ``--multi-turn TURNS`` runs a
+``--context 32768,131072,262144`` (several contexts, or one above 8,192) decodes each context's B rows
+from one shared prefilled prompt through the context cache, beside the weights + KV floor. Without an
+artifact and without ``--synthetic`` the bundled demo model runs. ``--multi-turn TURNS`` runs a
 synthetic agent conversation through the context cache instead (per turn: TTFT and reused tokens beside
 the TTFT of a cold prompt of only the new tokens), ``--image WxH[,WxH...]`` the vision tower and
 one-image prompts beside the tower's FLOP floor. docs/benchmarks.md has the method and the recorded runs.
@@ -28,6 +30,9 @@ from ninfer.types import MAX_CONCURRENCY_LIMIT
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_PREFILL_TOKENS = 8192
+DEFAULT_CONTEXT = 2048
+SHARED_CONTEXT_ABOVE = 8192  # ninfer.bench.context's (not imported here: it pulls in the Engine)
+PREFILL_OUTPUT_MIN = 2  # a prefill request's least output: its first token and one TPOT interval
 DEFAULT_TURN_TOKENS = 2048
 DEFAULT_REPLY_TOKENS = 32
 DEFAULT_IMAGE_REPEATS = 5
@@ -41,6 +46,18 @@ def batch_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or not all(1 <= v <= MAX_CONCURRENCY_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"batch sizes must be 1..{MAX_CONCURRENCY_LIMIT}, got {text!r}")
+    return tuple(values)
+
+
+def context_list(text: str) -> tuple[int, ...]:
+    """``"32768,131072"`` -> (32768, 131072): distinct, ascending, each >= 1 (the model's limit is checked
+    once the package is known)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"contexts must be >= 1, got {text!r}")
     return tuple(values)
 
 
@@ -79,14 +96,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="random weights of this registered package's exact dims, made on the device (no artifact)",
     )
     p.add_argument("--batch", type=batch_list, default=None, help="batch sizes B (1,2,4,8)")
-    p.add_argument("--context", type=positive_int, default=2048, help="prompt tokens per decode request")
+    p.add_argument(
+        "--context",
+        type=context_list,
+        default=(DEFAULT_CONTEXT,),
+        metavar="N[,N...]",
+        help=f"prompt tokens per decode request ({DEFAULT_CONTEXT}); several, or one above "
+        f"{SHARED_CONTEXT_ABOVE}: the long-context decode, whose B rows share one prefilled prompt per "
+        "context through the context cache",
+    )
     p.add_argument("--decode-steps", type=positive_int, default=64, help="timed decode rounds per B")
     p.add_argument(
         "--prefill-tokens",
         type=positive_int,
         default=None,
-        help=f"prompt tokens of the prefill/TTFT request (default {DEFAULT_PREFILL_TOKENS}, capped to fit "
-        "the model's positions)",
+        help=f"prompt tokens of the prefill/TTFT request, up to the model's positions (default "
+        f"{DEFAULT_PREFILL_TOKENS}, capped to fit them); near the limit it decodes fewer TPOT tokens",
     )
     p.add_argument("--prefill-repeats", type=positive_int, default=3, help="prefill runs (median)")
     p.add_argument(
@@ -189,13 +214,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prefill_tokens(args: argparse.Namespace, max_positions: int) -> int:
-    """The requested prefill length, or the default capped so prompt + decoded tokens fit the model."""
+    """The requested prefill length (up to the model's positions: a prompt needs room for its least
+    output, `PREFILL_OUTPUT_MIN` tokens, so one at the limit is shortened by that, said on stderr), or the
+    default capped so prompt + decoded tokens fit the model. Beyond the positions: refused later."""
     if args.prefill_tokens is not None:
-        return int(args.prefill_tokens)
+        tokens = int(args.prefill_tokens)
+        room = max_positions - PREFILL_OUTPUT_MIN
+        if room < tokens <= max_positions:
+            print(
+                f"ninfer: the model holds {max_positions} positions and a prefill request also outputs "
+                f"{PREFILL_OUTPUT_MIN} tokens; prefill uses {room}",
+                file=sys.stderr,
+            )
+            return room
+        return tokens
     cap = max_positions - args.decode_steps - 1
     if cap < DEFAULT_PREFILL_TOKENS:
         print(f"ninfer: the model holds {max_positions} positions; prefill uses {cap}", file=sys.stderr)
     return max(1, min(DEFAULT_PREFILL_TOKENS, cap))
+
+
+def _prefill_output_tokens(args: argparse.Namespace, prefill_tokens: int, max_positions: int) -> int | None:
+    """Output tokens of each prefill request: ``decode_steps + 1`` (None) unless the prompt leaves fewer
+    positions, then what is left (at least `PREFILL_OUTPUT_MIN`; less is refused by the plan's check)."""
+    room = max_positions - prefill_tokens
+    if room >= args.decode_steps + 1:
+        return None
+    return max(PREFILL_OUTPUT_MIN, room)
+
+
+def is_long_context(contexts: tuple[int, ...]) -> bool:
+    """Several contexts, or one above `SHARED_CONTEXT_ABOVE`: the long-context decode."""
+    return len(contexts) > 1 or max(contexts) > SHARED_CONTEXT_ABOVE
 
 
 def _tokens_per_round(speculative: str | None) -> int:
@@ -212,6 +262,15 @@ def mode_problem(args: argparse.Namespace) -> str | None:
     interference = args.interference is not None
     if multi + image + interference > 1:
         return "give one of --multi-turn, --image and --interference"
+    long_context = is_long_context(args.context)
+    if (multi or interference) and len(args.context) > 1:
+        return f"--context takes one value with {'--multi-turn' if multi else '--interference'}"
+    if long_context and not (multi or image or interference) and args.prefix_cache == "off":
+        return (
+            "the long-context decode (several --context values, or one above "
+            f"{SHARED_CONTEXT_ABOVE}) shares one prefilled prompt per context through the context cache; "
+            "drop --prefix-cache off"
+        )
     if not interference:
         for flag in ("streams", "max_decode_gap_ms"):
             if getattr(args, flag) is not None:
@@ -231,7 +290,7 @@ def mode_problem(args: argparse.Namespace) -> str | None:
         return "--image-repeats needs --image"
     if multi and args.prefix_cache == "off":
         return "--multi-turn always runs with the context cache on; drop --prefix-cache off"
-    cache_on = multi or args.prefix_cache == "on"
+    cache_on = multi or args.prefix_cache == "on" or (long_context and not (image or interference))
     if args.cache_memory_gb is not None and not cache_on:
         return "--cache-memory-gb needs the context cache: add --prefix-cache on (or --multi-turn)"
     if (multi or image) and args.batch is not None:
@@ -271,18 +330,22 @@ def run(args: argparse.Namespace) -> int:
         # the Engine's own unit unless given: the plan needs it before the Engine starts
         chunk = prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels)
         batches = args.batch or DEFAULT_BATCHES
+        standard = not (multi or image or interference)
+        positions = package.variant.max_position_embeddings
+        prefill_tokens = _prefill_tokens(args, positions) if standard else 1
+        contexts = args.context if standard and is_long_context(args.context) else ()
         plan = BenchPlan(
             batches=batches,
-            context=args.context,
+            context=args.context[-1],
             decode_steps=args.decode_steps,
-            prefill_tokens=(
-                _prefill_tokens(args, package.variant.max_position_embeddings)
-                if not (multi or image or interference)
-                else 1
-            ),
+            prefill_tokens=prefill_tokens,
             prefill_repeats=args.prefill_repeats,
             prefill_chunk=chunk,
             tokens_per_round=_tokens_per_round(args.speculative),
+            contexts=contexts,
+            prefill_output_tokens=(
+                _prefill_output_tokens(args, prefill_tokens, positions) if standard else None
+            ),
         )
         options = BenchOptions(
             plan=plan,
@@ -308,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
                 turns=args.multi_turn,
                 turn_tokens=args.turn_tokens or DEFAULT_TURN_TOKENS,
                 reply_tokens=args.reply_tokens or DEFAULT_REPLY_TOKENS,
-                context=args.context,
+                context=args.context[0],
                 decode_steps=args.decode_steps,
                 prefill_chunk=chunk,
             )
@@ -320,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
             interference_plan = InterferencePlan(
                 prompt_tokens=args.interference,
                 streams=args.streams or 4,
-                context=args.context,
+                context=args.context[0],
                 max_decode_gap_ms=args.max_decode_gap_ms,
             )
             report = run_interference(options, interference_plan, log=log)
