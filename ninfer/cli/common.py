@@ -204,6 +204,8 @@ def speculative_problem(artifact_path: str, speculative: str | None) -> str | No
             package = check_identity(artifact)
     except (ArtifactError, OSError, ValueError):
         return None
+    if "mtp" in package.features_off:  # a registered package's artifact converted without them
+        return f"--speculative {speculative}: {package.missing_feature('mtp')}; drop --speculative"
     if not package.has_mtp:
         return (
             f"--speculative {speculative}: package {package.name!r} has no MTP layer (no multi-token "

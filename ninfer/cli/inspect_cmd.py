@@ -1,7 +1,9 @@
 """`ninfer inspect FILE [--verify] [--json]`: what a `.ninfer` file holds and whether it binds.
 
-Prints identity, the registered package it binds to (or why not), key dims, tensor count and bytes
-(total and per text/mtp/vision group), per-dtype counts, frontend resources and provenance.
+Prints identity, the registered package it binds to (or why not), its optional features (vision
+tower, MTP layer: off, with the reason, for an artifact converted without their weights), key dims,
+tensor count and bytes (total and per text/mtp/vision group), per-dtype counts, frontend resources
+and provenance.
 ``--verify`` also reads every byte against its checksum (progress bar on stderr) and requires the
 identity to bind; any failure exits 1 with a one-line message on stderr.
 """
@@ -64,10 +66,16 @@ def _report(artifact: Any) -> dict[str, Any]:
     from ninfer.artifact.format import DTYPE_NAMES
     from ninfer.targets.identity import IdentityMismatchError, check_identity
 
-    package: dict[str, Any] = {"name": artifact.identity.get("package"), "description": None, "error": None}
+    package: dict[str, Any] = {
+        "name": artifact.identity.get("package"),
+        "description": None,
+        "error": None,
+        "features": None,
+    }
     try:
         pkg = check_identity(artifact)
         package["description"] = pkg.description
+        package["features"] = _features(pkg, artifact.provenance)
     except IdentityMismatchError as e:
         package["error"] = e.detail
 
@@ -97,6 +105,22 @@ def _report(artifact: Any) -> dict[str, Any]:
             r.name: {"nbytes": r.nbytes, "media_type": r.media_type} for r in artifact.frontend_descriptors()
         },
         "provenance": artifact.provenance,
+    }
+
+
+def _features(pkg: Any, provenance: dict[str, Any]) -> dict[str, Any]:
+    """Which optional features the bound package has; for each one the artifact lacks, why (the
+    converter's reason from the provenance, else the weights it has none of)."""
+    from ninfer.targets.package import FEATURE_REFUSES, FEATURE_WEIGHTS
+
+    reasons = provenance.get("features_off")
+    reasons = reasons if isinstance(reasons, dict) else {}
+    return {
+        "vision": pkg.has_vision,
+        "mtp": pkg.has_mtp,
+        "off": {
+            f: f"{reasons.get(f, f'no {FEATURE_WEIGHTS[f]}')}: {FEATURE_REFUSES[f]}" for f in pkg.features_off
+        },
     }
 
 
@@ -131,7 +155,15 @@ def _print_text(r: dict[str, Any]) -> None:
     if pkg["error"]:
         print(f"package     does not bind: {pkg['error']}")
     else:
-        print(f"package     {pkg['name']}: {pkg['description']} (registered, dims match)")
+        features = pkg["features"]
+        match = "dims match" if not features["off"] else "dims match without " + " and ".join(features["off"])
+        print(f"package     {pkg['name']}: {pkg['description']} (registered, {match})")
+        print(
+            f"features    vision {'yes' if features['vision'] else 'no'}, "
+            f"MTP {'yes' if features['mtp'] else 'no'}"
+        )
+        for why in features["off"].values():
+            print(f"  off       {why}")
     for i, line in enumerate(_dims_lines(r["dims"])):
         print(f"{'dims' if i == 0 else '':<12}{line}")
     print(f"tensors     {t['count']} tensors, {human_bytes(t['bytes'])}")

@@ -27,9 +27,10 @@ class IdentityMismatchError(ArtifactError, PackageMismatch):
 def check_identity(artifact: Artifact, package: Package | str | None = None) -> Package:
     """Return the registered package ``artifact`` binds to, or raise IdentityMismatchError.
 
-    Refuses an unknown package name, a family other than the package's, an unknown storage profile,
-    dims that differ from the package's in any field, and (when ``package`` is given) an artifact
-    that names a different package than the one the caller wants to load.
+    Dims that are the package's less its vision tower and/or MTP layer bind ``Package.without`` those
+    features (`check_dims`). Refuses an unknown package name, a family other than the package's, an
+    unknown storage profile, dims that differ from the package's in any other field, and (when
+    ``package`` is given) an artifact that names a different package than the one the caller wants.
     """
     path = artifact.path
     ident = artifact.identity
@@ -40,19 +41,19 @@ def check_identity(artifact: Artifact, package: Package | str | None = None) -> 
     if package is not None:
         wanted = package if isinstance(package, str) else package.name
         if pkg.name != wanted:
-            raise IdentityMismatchError(path, f"artifact is package {pkg.name!r}, not the requested "
-                                        f"{wanted!r}")
+            raise IdentityMismatchError(
+                path, f"artifact is package {pkg.name!r}, not the requested {wanted!r}"
+            )
     if ident["family"] != pkg.family:
         raise IdentityMismatchError(
             path, f"identity family {ident['family']!r} != package {pkg.name!r} family {pkg.family!r}"
         )
     if ident["storage_profile"] not in STORAGE_PROFILES:
         raise IdentityMismatchError(
-            path, f"unknown storage profile {ident['storage_profile']!r} "
-            f"(known: {', '.join(STORAGE_PROFILES)})"
+            path,
+            f"unknown storage profile {ident['storage_profile']!r} (known: {', '.join(STORAGE_PROFILES)})",
         )
-    try:
-        check_dims(pkg, artifact.dims, source=path)
+    try:  # an artifact without vision or MTP weights binds the package with those features off
+        return check_dims(pkg, artifact.dims, source=path)
     except PackageMismatch as e:  # the registry prefixes the source; ArtifactError adds the path itself
         raise IdentityMismatchError(path, str(e).removeprefix(f"{path}: ")) from None
-    return pkg

@@ -6,14 +6,27 @@ The family (``ninfer/targets/qwen3_6``) owns every algorithm; a package names it
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ninfer.targets.qwen3_6.variant import Variant
 
 # storage profile -> torch dtype name of the stored (non-fp32-pinned) tensors
 STORAGE_PROFILES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Features a checkpoint of a package may lack (a text-only export, a quantizer's export without MTP):
+# its artifact then binds the package with the feature off. The text model is never optional.
+OptionalFeature = Literal["vision", "mtp"]
+OPTIONAL_FEATURES: tuple[OptionalFeature, ...] = ("vision", "mtp")
+# what each feature's weights are called in a Hugging Face checkpoint, and what turning it off refuses
+FEATURE_WEIGHTS: dict[str, str] = {
+    "vision": "vision tower weights (model.visual.*)",
+    "mtp": "MTP weights (mtp.*)",
+}
+FEATURE_REFUSES: dict[str, str] = {"vision": "images are refused", "mtp": "--speculative mtp:K is refused"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,8 @@ class Package:
     chat_template: str = "qwen3_6"
     test_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # optional features the registered package has but this artifact lacks the weights of (`without`)
+    features_off: tuple[OptionalFeature, ...] = ()
 
     def identity(self, storage_profile: str) -> dict[str, str]:
         return {"family": self.family, "package": self.name, "storage_profile": storage_profile}
@@ -41,6 +56,47 @@ class Package:
     def has_mtp(self) -> bool:
         """Whether the package binds a multi-token-prediction head (``speculative="mtp:K"`` can draft)."""
         return bool(self.variant.mtp_num_hidden_layers)
+
+    def without(self, features: Collection[str]) -> Package:
+        """This package as an artifact without ``features``' weights binds it: the variant drops the
+        vision tower and/or the MTP layer, so the schema, the memory plan and the Program never expect
+        them. Same name: it is still this package's checkpoint, with fewer features."""
+        unknown = set(features) - set(OPTIONAL_FEATURES)
+        if unknown:
+            raise ValueError(
+                f"unknown optional feature(s) {sorted(unknown)}; known: {list(OPTIONAL_FEATURES)}"
+            )
+        variant = self.variant
+        if "vision" in features:
+            variant = dataclasses.replace(variant, vision=None)
+        if "mtp" in features:
+            variant = dataclasses.replace(variant, mtp_num_hidden_layers=0)
+        off = tuple(f for f in OPTIONAL_FEATURES if f in features or f in self.features_off)
+        return dataclasses.replace(self, variant=variant, features_off=off)
+
+    def features_off_in(self, variant: Variant) -> tuple[OptionalFeature, ...] | None:
+        """Which optional features ``variant`` lacks when it is exactly this package without them (``()``
+        when it is the package itself); None when it differs in anything else."""
+        off = tuple(
+            f
+            for f, has in (
+                ("vision", variant.vision is not None),
+                ("mtp", bool(variant.mtp_num_hidden_layers)),
+            )
+            if not has and (self.has_vision if f == "vision" else self.has_mtp)
+        )
+        return off if not self.without(off).variant.diff(variant) else None
+
+    def missing_feature(self, feature: OptionalFeature) -> str:
+        """Why ``feature`` is unavailable, in words for a refusal: the package has none, or this artifact
+        was converted from a checkpoint without its weights."""
+        if feature in self.features_off:
+            return (
+                f"the artifact of package {self.name!r} has no {FEATURE_WEIGHTS[feature]}: it was converted "
+                "from a checkpoint without them"
+            )
+        what = "vision tower" if feature == "vision" else "MTP layer"
+        return f"package {self.name!r} has no {what}"
 
     def summary_lines(self) -> list[str]:
         """The package's architecture in words (the family's summary of its dims)."""

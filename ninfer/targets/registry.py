@@ -56,26 +56,39 @@ def package_for_hf_config(cfg: dict[str, Any]) -> Package:
     except ValueError as e:
         raise PackageMismatch(f"config.json: {e}") from None
     candidates = [p for p in PACKAGES.values() if p.hf_model_type.startswith(base_type.split("_moe")[0])]
-    for p in candidates:
-        if p.variant.dims() == _with_defaults(variant, p).dims():
+    for p in candidates:  # a text-only config (no vision_config, or no MTP layer) still names its package
+        if p.features_off_in(_with_defaults(variant, p)) is not None:
             return p
-    best = min(PACKAGES.values(), key=lambda p: len(p.variant.diff(_with_defaults(variant, p))))
-    diffs = best.variant.diff(_with_defaults(variant, best))
+
+    def diffs_to(p: Package) -> list[str]:  # ignoring the features the config leaves out
+        off = [
+            f
+            for f, absent in (("vision", variant.vision is None), ("mtp", not variant.mtp_num_hidden_layers))
+            if absent
+        ]
+        return p.without(off).variant.diff(_with_defaults(variant, p))
+
+    best = min(PACKAGES.values(), key=lambda p: len(diffs_to(p)))
+    diffs = diffs_to(best)
     raise PackageMismatch(
         f"config.json (model_type {model_type!r}) matches no registered package; closest is "
         f"{best.name!r}, which differs in: " + "; ".join(diffs or [f"model_type != {best.hf_model_type!r}"])
     )
 
 
-def check_dims(package: Package, dims: dict[str, Any], source: str) -> None:
-    """Refuse an artifact whose stored dims are not exactly the package's."""
+def check_dims(package: Package, dims: dict[str, Any], source: str) -> Package:
+    """The package that stored dims bind: ``package`` itself when they are exactly its dims, or
+    ``package.without(...)`` when they are its dims less optional features (no vision tower, no MTP
+    layer: an artifact converted from a checkpoint without those weights). Refuses anything else."""
     try:
         stored = Variant.from_dims(dims)
     except (TypeError, ValueError, KeyError) as e:
         raise PackageMismatch(f"{source}: dims are not readable as {package.name!r} dims: {e}") from None
-    diffs = package.variant.diff(stored)
-    if diffs:
+    off = package.features_off_in(stored)
+    if off is None:
+        diffs = package.variant.diff(stored)
         raise PackageMismatch(f"{source}: dims do not match package {package.name!r}: " + "; ".join(diffs))
+    return package.without(off) if off else package
 
 
 def _with_defaults(v: Variant, p: Package) -> Variant:

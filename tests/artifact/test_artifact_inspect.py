@@ -25,15 +25,23 @@ TENSORS = {
     "mtp.fc.weight": torch.randn(H, 2 * H).to(torch.bfloat16),
     "visual.patch_embed.proj.bias": torch.randn(32).to(torch.bfloat16),
 }
-PROVENANCE = {"converter": "ninfer_tools 0.1.0", "source_dtype": "bfloat16",
-              "sources": [{"name": "model-00001.safetensors", "bytes": 4096}]}
+PROVENANCE = {
+    "converter": "ninfer_tools 0.1.0",
+    "source_dtype": "bfloat16",
+    "sources": [{"name": "model-00001.safetensors", "bytes": 4096}],
+}
 
 
 def write(path: Path, dims: dict | None = None) -> Path:
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in TENSORS.items()]
-    with ArtifactWriter(path, identity=TINY.identity("bf16"), dims=dims or TINY.variant.dims(), tensors=specs,
-                        frontend={"tokenizer.json": b'{"model": {}}', "chat_template": b"{{ m }}"},
-                        provenance=PROVENANCE) as w:
+    with ArtifactWriter(
+        path,
+        identity=TINY.identity("bf16"),
+        dims=dims or TINY.variant.dims(),
+        tensors=specs,
+        frontend={"tokenizer.json": b'{"model": {}}', "chat_template": b"{{ m }}"},
+        provenance=PROVENANCE,
+    ) as w:
         for name, t in TENSORS.items():
             w.write_tensor(name, t)
     return path
@@ -63,7 +71,12 @@ def test_json_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["inspect", str(path), "--json", "--verify"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["identity"] == TINY.identity("bf16")
-    assert report["package"] == {"name": "qwen3_6_tiny", "description": TINY.description, "error": None}
+    assert report["package"] == {
+        "name": "qwen3_6_tiny",
+        "description": TINY.description,
+        "error": None,
+        "features": {"vision": True, "mtp": True, "off": {}},
+    }
     assert report["dims"] == TINY.variant.dims()
     assert report["tensors"]["count"] == 5
     assert report["tensors"]["groups"]["mtp"] == {"count": 1, "bytes": 2 * H * H * 2}
@@ -91,8 +104,9 @@ def test_verify_failure_exits_1_with_one_line(tmp_path: Path, capsys: pytest.Cap
     captured = capsys.readouterr()
     assert captured.out == ""
     err = [line for line in captured.err.splitlines() if line.startswith("ninfer inspect:")]
-    assert err == [f"ninfer inspect: error: {path}: tensor 'mtp.fc.weight': "
-                   + err[0].split("'mtp.fc.weight': ", 1)[1]]
+    assert err == [
+        f"ninfer inspect: error: {path}: tensor 'mtp.fc.weight': " + err[0].split("'mtp.fc.weight': ", 1)[1]
+    ]
     assert "checksum mismatch" in err[0]
 
 
@@ -120,8 +134,10 @@ def test_errors_exit_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["inspect", str(bad), "--verify"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == f"ninfer inspect: error: {bad}: not a .ninfer file (does not start with magic " \
+    assert (
+        captured.err == f"ninfer inspect: error: {bad}: not a .ninfer file (does not start with magic "
         "b'NINFER\\x00\\x00')\n"
+    )
 
 
 def test_human_bytes() -> None:

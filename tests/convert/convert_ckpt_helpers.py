@@ -198,3 +198,39 @@ def _write_index(path: Path) -> None:
                 total += n * {"BF16": 2, "F16": 2, "F32": 4}[sl.get_dtype()]
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def save_text_only_checkpoint(
+    package_name: str, path: Path, *, source: Path | None = None, seed: int = 0
+) -> Path:
+    """A text-only checkpoint as transformers' ``Qwen3_5(Moe)ForCausalLM`` saves it: config.json is the
+    text config itself (no ``text_config`` nesting, no ``vision_config``), names are ``model.*`` and
+    ``lm_head.weight``, and there are no vision or MTP tensors. ``source``: a checkpoint folder whose
+    text weights it takes (so both convert to the same text model); else random weights."""
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    package = PACKAGES[package_name]
+    text_config = package.hf_config()["text_config"]
+    if package.variant.moe:
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text_config))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config))
+    if source is None:
+        torch.manual_seed(seed)
+        _randomize_(model, torch.Generator().manual_seed(seed))
+    else:
+        text = {
+            key.replace("model.language_model.", "model.", 1): t
+            for key, t in read_all(source).items()
+            if key.startswith(("model.language_model.", "lm_head."))
+        }
+        model.load_state_dict(text, strict=True)
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="20MB")
+    shutil.copyfile(RESOURCE_DIR / "tokenizer.json", path / "tokenizer.json")
+    shutil.copyfile(TOKENIZER_DIR / "tokenizer_config.json", path / "tokenizer_config.json")
+    return path

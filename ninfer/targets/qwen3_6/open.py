@@ -67,6 +67,11 @@ def open_artifact(
     groups: list[WeightGroup] = ["text", "vision"]
     spec = parse_speculative(config.speculative) if config.purpose == "generation" else None
     if spec is not None and spec.method == "mtp":
+        if not package.has_mtp:  # refused before any weight is read
+            raise ValueError(
+                f"speculative {config.speculative!r}: this model has no MTP layer "
+                f"({package.missing_feature('mtp')}); drop speculative"
+            )
         groups.append("mtp")
     loaded = load_model(artifact_path, device, dtype, groups=groups)
     view = loaded.view

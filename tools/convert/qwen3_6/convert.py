@@ -1,5 +1,9 @@
 """Hugging Face Qwen3.5/3.6 checkpoint folder -> one `.ninfer` artifact of a registered package.
 
+A checkpoint without a vision tower or an MTP layer (a text-only export, a quantizer's export without
+MTP) converts with that feature off: the artifact's dims are the package's without it, its provenance
+says why (``features_off``), and one line on stderr says so.
+
 Everything is checked first (config against the closed registry, every tensor name and shape against
 the package's weight schema, tokenizer and chat template); only then is the artifact written, streaming
 one schema tensor at a time from the shards (a fused MoE tensor is assembled from one layer's experts),
@@ -19,7 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
-from ninfer.targets.package import STORAGE_PROFILES, Package
+from ninfer.targets.package import FEATURE_REFUSES, STORAGE_PROFILES, Package
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.registry import PackageMismatch, check_dims, get_package, package_for_hf_config
 
@@ -56,6 +60,7 @@ def convert(
     frontend = read_frontend(ckpt)
     check_tokenizer(frontend["tokenizer.json"], pkg, str(ckpt.path("tokenizer.json")))
     plan = build_plan(ckpt, pkg, dtype)
+    bound = plan.package  # the registered package less the features the checkpoint lacks
     if out.resolve() in {ckpt.path(name).resolve() for name in ckpt.files_read}:
         raise ConvertError(f"{out}: output would overwrite a source file")
 
@@ -64,8 +69,8 @@ def convert(
         writer = stack.enter_context(
             ArtifactWriter(
                 out,
-                identity=pkg.identity(plan.storage_profile),
-                dims=pkg.variant.dims(),
+                identity=bound.identity(plan.storage_profile),
+                dims=bound.variant.dims(),
                 tensors=specs,
                 frontend=frontend,
                 provenance=provenance(ckpt, plan, dtype=dtype, package=package),
@@ -91,11 +96,19 @@ def convert(
             writer.write_tensor(recipe.spec.name, tensor)
             bar.update(recipe.nbytes)
         writer.close()
+    if plan.features_off:
+        print(f"convert {pkg.name}: {features_off_line(plan.features_off)}", file=sys.stderr)
     return out
 
 
+def features_off_line(off: dict[str, str]) -> str:
+    """One line saying which features the artifact lacks, why, and what that refuses."""
+    return "features off: " + "; ".join(f"{why}: {FEATURE_REFUSES[f]}" for f, why in off.items())
+
+
 def resolve_package(ckpt: HFCheckpoint, name: str | None) -> Package:
-    """The registered package of config.json, or the forced one when its dims match exactly."""
+    """The registered package of config.json, or the forced one when its dims match exactly (a config
+    without vision_config or MTP layer matches a package that has them: those features are then off)."""
     config_path = ckpt.path("config.json")
     try:
         if name is None:
@@ -116,7 +129,9 @@ def resolve_package(ckpt: HFCheckpoint, name: str | None) -> Package:
 def provenance(ckpt: HFCheckpoint, plan: Plan, *, dtype: str | None, package: str | None) -> dict[str, Any]:
     """What made this artifact: no time, no absolute paths, so the same input gives the same bytes."""
     cfg = ckpt.config
+    features = {"features_off": dict(plan.features_off)} if plan.features_off else {}
     return {
+        **features,  # (absent for a complete checkpoint: its artifact's bytes do not change)
         "converter": CONVERTER_NAME,
         "converter_version": CONVERTER_VERSION,
         "options": {"dtype": dtype, "package": package},

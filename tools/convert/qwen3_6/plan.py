@@ -2,9 +2,11 @@
 
 Checkpoint names:  ``model.language_model.X`` -> ``X``; ``model.visual.X`` -> ``visual.X``;
 ``lm_head.weight`` and ``mtp.X`` kept; ``model.X`` -> ``X`` for checkpoints saved with the text-only
-naming (``*ForCausalLM``). Every registered package includes its vision and MTP weights, so such a
-checkpoint converts only when those tensors are present too; a text-only fine-tune without them is
-refused, listing them as missing (optional weight groups are not supported yet).
+naming (``*ForCausalLM``). The vision tower and the MTP layer are optional features: a checkpoint
+with none of a feature's tensors (or whose config.json declares none: no ``vision_config``,
+``mtp_num_hidden_layers`` 0) converts with that feature off (`features_off`; the artifact binds
+``Package.without`` it). A checkpoint with some but not all of them is refused, naming the missing
+ones: a damaged checkpoint never silently loses a feature.
 MoE experts come fused (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) or per
 expert (``experts.{e}.gate_proj/up_proj/down_proj.weight``), which the plan fuses: gate rows then up
 rows per expert, the layout the schema stores.
@@ -15,12 +17,12 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from ninfer.targets.package import STORAGE_PROFILES, Package
+from ninfer.targets.package import FEATURE_WEIGHTS, STORAGE_PROFILES, Package
 from ninfer.targets.qwen3_6.weights import WeightSpec, weight_schema
 
 from .source import ConvertError, HFCheckpoint, SourceTensor
@@ -68,6 +70,8 @@ class Plan:
     source_profile: str  # the majority dtype of the source's text weights
     expert_layout: str  # "fused", "per_expert", "mixed" or "none" (dense)
     recipes: tuple[Recipe, ...]
+    # optional features the checkpoint lacks -> why; ``package`` is the registered one without them
+    features_off: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -87,11 +91,51 @@ def canonical_name(key: str) -> str | None:
     return None
 
 
+# canonical-name prefix of each optional feature's tensors
+_FEATURE_PREFIX: dict[str, str] = {"vision": "visual.", "mtp": "mtp."}
+
+
+def features_off(ckpt: HFCheckpoint, package: Package) -> dict[str, str]:
+    """The optional features of ``package`` this checkpoint converts without, each with why: its
+    config.json declares none, or it holds none of the feature's tensors. A feature with some of its
+    tensors stays on, so the plan lists the missing ones."""
+    cfg = ckpt.config
+    text = cfg.get("text_config", cfg)
+    names = [name for name in map(canonical_name, ckpt.tensors) if name is not None]
+    present = {f: any(n.startswith(prefix) for n in names) for f, prefix in _FEATURE_PREFIX.items()}
+    declared = {
+        "vision": bool(cfg.get("vision_config")),
+        "mtp": isinstance(text, dict) and bool(text.get("mtp_num_hidden_layers")),
+    }
+    config_says = {
+        "vision": "no vision tower (config.json has no vision_config)",
+        "mtp": "no MTP layer (config.json: mtp_num_hidden_layers is 0 or absent)",
+    }
+    off: dict[str, str] = {}
+    for feature, has in (("vision", package.has_vision), ("mtp", package.has_mtp)):
+        if not has:
+            continue
+        if not declared[feature]:  # its tensors, if any, are then unexpected ones
+            off[feature] = config_says[feature]
+        elif not present[feature]:
+            off[feature] = f"no {FEATURE_WEIGHTS[feature]}"
+    return off
+
+
 def build_plan(ckpt: HFCheckpoint, package: Package, dtype: str | None) -> Plan:
-    """Every schema tensor's recipe, or one ConvertError listing every problem of the checkpoint."""
+    """Every schema tensor's recipe, or one ConvertError listing every problem of the checkpoint.
+
+    ``package`` is the registered package; the plan's is that package without the features the
+    checkpoint lacks (`features_off`), and its schema is what the artifact stores."""
+    off = features_off(ckpt, package)
+    package = package.without(off)
     v = package.variant
     schema = weight_schema(v)
     problems = _Problems()
+    for feature, why in off.items():  # off by its config, yet there are its tensors (unexpected below)
+        prefix = _FEATURE_PREFIX[feature]
+        if any((canonical_name(key) or "").startswith(prefix) for key in ckpt.tensors):
+            problems.other.append(f"{why}, yet the checkpoint holds {FEATURE_WEIGHTS[feature]}")
 
     # canonical name -> source; per-expert sources grouped by (experts prefix, expert index, projection)
     direct: dict[str, SourceTensor] = {}
@@ -178,7 +222,7 @@ def build_plan(ckpt: HFCheckpoint, package: Package, dtype: str | None) -> Plan:
         for spec, kind, parts in planned
     )
     layout = "none" if not layouts else "mixed" if len(layouts) > 1 else layouts.pop()
-    return Plan(package, profile, source_profile, layout, recipes)
+    return Plan(package, profile, source_profile, layout, recipes, off)
 
 
 def check_tokenizer(tokenizer_json: bytes, package: Package, source: str) -> None:
