@@ -54,6 +54,8 @@ SYSTEM_PROMPT = (
     "You are a coding agent working in a large repository. Read the files the user shows you, keep "
     "track of what changed between turns, and answer with the next edit to make."
 )
+# the untimed warm-up conversation's: shares no token with the timed one's system prompt
+WARMUP_SYSTEM_PROMPT = "Warm-up only. Answer each question in one short paragraph."
 # the template's own reasoning is off: the replies are content, sent back as the history's assistant turns
 TEMPLATE_KWARGS = {"enable_thinking": False}
 WORD = re.compile(r" [A-Za-z]{2,12}")
@@ -177,6 +179,11 @@ class TransitionClock:
             return result
 
         return timed
+
+    def clear(self) -> None:
+        """Forget the calls so far (the warm-up's)."""
+        for calls in self.calls.values():
+            calls.clear()
 
     def remove(self) -> None:
         for name in self.NAMES:
@@ -451,6 +458,9 @@ def render_multi_turn(report: MultiTurnReport) -> str:
 
 
 ASSUMPTIONS = (
+    "warm-up: one untimed conversation of the same turns and sizes (another system prompt, words and "
+    "session) runs first and the cache is reset after it, so the timed turns meet compiled kernels; the "
+    "cache counters are the timed conversation's",
     "TTFT: before submit -> first token delta, at the caller (submit: the Frontend renders and tokenizes "
     "the whole conversation on the caller, reported as submit); prefill: worker time from the first "
     "prefill unit to the unit after the last",
@@ -514,11 +524,11 @@ def _decode_row(engine: Engine, plan: BenchPlan, prompts: PromptSource, variant:
 
 def _conversation(
     driver: TimedDriver, plan: MultiTurnPlan, words: WordSource, prompts: PromptSource,
-    log: Callable[[str], None],
+    log: Callable[[str], None], *, system: str = SYSTEM_PROMPT, session: str = SESSION_ID,
 ) -> tuple[list[TurnRow], int]:  # fmt: skip
     """The turns, each beside its cold-new request; returns the rows and the last prompt's length."""
     frontend = driver.engine.frontend
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     previous: tuple[Sequence[int], Sequence[int]] | None = None
     rows = []
     last = 0
@@ -535,7 +545,7 @@ def _conversation(
                 max_tokens=plan.reply_tokens,
                 temperature=0.0,
                 ignore_eos=True,
-                session_id=SESSION_ID,
+                session_id=session,
             )  # fmt: skip
         )
         if turn.prompt_tokens != len(ids):
@@ -602,20 +612,29 @@ def _with_cache(
                 prefix_cache=False,
             )
         )  # fmt: skip
+        # one untimed conversation of the same shape first (its own system prompt, words and session), so
+        # the timed turns' prefill units meet compiled kernels as a serving Engine's would; then a reset
+        log(f"warm-up: a whole {plan.turns}-turn conversation, then the cache reset")
+        _conversation(driver, plan, words, prompts, lambda _: None, system=WARMUP_SYSTEM_PROMPT,
+                      session=f"{SESSION_ID}-warmup")  # fmt: skip
+        engine.reset_cache()
+        before = engine.cache_stats()
+        clock.clear()
         turns, last_tokens = _conversation(driver, plan, words, prompts, log)
         stats = engine.cache_stats()
         slots, budget, source = _cache_budget(program, config)
         cache = CacheRow(
-            checkpoints=stats.checkpoints, checkpoint_bytes=stats.checkpoint_bytes, hits=stats.hits,
-            hit_tokens=stats.hit_tokens, captures=stats.captures, retains=stats.retains,
-            evictions=stats.evictions, checkpoint_slots=slots, budget_bytes=budget, budget_source=source,
-            conversation_bytes=_conversation_bytes(program, last_tokens),
+            checkpoints=stats.checkpoints, checkpoint_bytes=stats.checkpoint_bytes,
+            hits=stats.hits - before.hits, hit_tokens=stats.hit_tokens - before.hit_tokens,
+            captures=stats.captures - before.captures, retains=stats.retains - before.retains,
+            evictions=stats.evictions - before.evictions, checkpoint_slots=slots, budget_bytes=budget,
+            budget_source=source, conversation_bytes=_conversation_bytes(program, last_tokens),
         )  # fmt: skip
         log(f"decode B=1 at context {plan.context}, cache on: {plan.decode_steps} timed rounds")
         decode_on = _decode_row(engine, plan.decode_plan, prompts, variant, started.dtype, bandwidth)
         capture = CaptureRow(
             captures=len(clock.device_ms("capture")), device_ms=tuple(clock.device_ms("capture")),
-            host_ms=tuple(clock.host_ms("capture")), retains=stats.retains,
+            host_ms=tuple(clock.host_ms("capture")), retains=stats.retains - before.retains,
             retain_host_ms=tuple(clock.host_ms("retain")),
             timing="cuda events" if started.device.type == "cuda" else "host (cpu)",
         )  # fmt: skip
