@@ -174,6 +174,11 @@ class EngineConfig:
       ``max_context x max_concurrency``, the checkpoint budget: a quarter state slots, the rest KV pages
       added to the pool; ``None``: four times the lanes' state, at most 1 GiB. Checkpoints may also use
       whatever the lanes leave idle.
+    - ``host_cache_gb``: host memory (pinned on CUDA) for a second checkpoint tier: a checkpoint the
+      device needs room from is copied there instead of dropped, and copied back when a later request
+      continues it (docs/resources-and-context-cache.md, "The host tier"). A quarter becomes state slots,
+      the rest KV pages. ``0`` (the default): no host tier, evicted checkpoints are dropped. Not used
+      without ``prefix_cache``.
     - ``capture_interval``: prompt tokens between two checkpoints of a long prompt (besides the
       Frontend's reuse boundaries: the system preamble and the assistant turn starts).
     - ``gpu_memory_fraction``: the share of the CUDA device's total memory a generation Engine may hold,
@@ -203,6 +208,7 @@ class EngineConfig:
     max_image_tokens: int = 16384
     prefix_cache: bool = True
     cache_memory_gb: float | None = None
+    host_cache_gb: float = 0.0
     capture_interval: int = 4096
     gpu_memory_fraction: float = 0.9
 
@@ -211,6 +217,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.cache_memory_gb is not None and not self.cache_memory_gb >= 0:
             raise ValueError(f"cache_memory_gb must be >= 0 or None, got {self.cache_memory_gb}")
+        host = self.host_cache_gb
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < float("inf"):
+            raise ValueError(f"host_cache_gb must be a number of GB >= 0, got {self.host_cache_gb!r}")
         if self.capture_interval < 1:
             raise ValueError(f"capture_interval must be >= 1, got {self.capture_interval}")
         spec = parse_speculative(self.speculative)  # raises ValueError naming what is wrong

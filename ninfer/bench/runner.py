@@ -54,6 +54,7 @@ class BenchOptions:
     probe_repeats: int = 10
     prefix_cache: bool = False  # EngineConfig.prefix_cache (the standard suite: off, cold prompts)
     cache_memory_gb: float | None = None  # EngineConfig.cache_memory_gb
+    host_cache_gb: float = 0.0  # EngineConfig.host_cache_gb
     gpu_memory_fraction: float | None = None  # EngineConfig.gpu_memory_fraction (None: its default)
 
     def __post_init__(self) -> None:
@@ -103,6 +104,7 @@ def engine_config(options: BenchOptions, long_plan: LongContextPlan | None = Non
         # ids); the cache on adds its lookups and the captures inside long prompts (capture_interval)
         prefix_cache=options.prefix_cache,
         cache_memory_gb=options.cache_memory_gb if options.prefix_cache else None,
+        host_cache_gb=options.host_cache_gb if options.prefix_cache else 0.0,
         **({"gpu_memory_fraction": options.gpu_memory_fraction} if options.gpu_memory_fraction else {}),
     )
 

@@ -162,6 +162,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "by the Engine); needs the cache on",
     )
     p.add_argument(
+        "--host-cache-gb",
+        type=nonnegative_float,
+        default=None,
+        help="host memory for checkpoints offloaded from the device (EngineConfig.host_cache_gb; default 0: "
+        "no host tier); needs the cache on",
+    )
+    p.add_argument(
         "--multi-turn",
         type=positive_int,
         metavar="TURNS",
@@ -293,6 +300,8 @@ def mode_problem(args: argparse.Namespace) -> str | None:
     cache_on = multi or args.prefix_cache == "on" or (long_context and not (image or interference))
     if args.cache_memory_gb is not None and not cache_on:
         return "--cache-memory-gb needs the context cache: add --prefix-cache on (or --multi-turn)"
+    if args.host_cache_gb is not None and not cache_on:
+        return "--host-cache-gb needs the context cache: add --prefix-cache on (or --multi-turn)"
     if (multi or image) and args.batch is not None:
         return f"--batch is for the standard suite; {'--multi-turn' if multi else '--image'} runs B=1"
     if (multi or image) and args.speculative is not None:
@@ -361,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             prefix_cache=multi or args.prefix_cache == "on",
             cache_memory_gb=args.cache_memory_gb,
+            host_cache_gb=args.host_cache_gb or 0.0,
             gpu_memory_fraction=args.gpu_memory_fraction,
         )
         log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731

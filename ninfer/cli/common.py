@@ -90,7 +90,8 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
 
 def add_reuse_flags(p: argparse.ArgumentParser) -> None:
     """The context cache and speculative decoding (`serve`, `generate`, `chat`): EngineConfig's
-    ``prefix_cache``, ``cache_memory_gb``, ``capture_interval`` and ``speculative``. A flag left out
+    ``prefix_cache``, ``cache_memory_gb``, ``host_cache_gb``, ``capture_interval`` and ``speculative``. A
+    flag left out
     stays ``None`` (the Engine's default), so a command can tell it was not given."""
     p.add_argument(
         "--prefix-cache",
@@ -107,6 +108,14 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="device memory for prefix checkpoints beyond the lanes' own (default: sized from the free "
         "memory on CUDA, a small amount on CPU)",
+    )
+    p.add_argument(
+        "--host-cache-gb",
+        type=cache_memory_gb,
+        default=None,
+        metavar="GB",
+        help="host memory (pinned on CUDA) for checkpoints the device has no room for: moved there instead "
+        "of dropped, and back when a later prompt continues them (default 0: no host tier)",
     )
     p.add_argument(
         "--capture-interval",
@@ -183,6 +192,7 @@ def reuse_config(args: argparse.Namespace) -> dict[str, Any]:
     given = {
         "prefix_cache": args.prefix_cache,
         "cache_memory_gb": args.cache_memory_gb,
+        "host_cache_gb": args.host_cache_gb,
         "capture_interval": args.capture_interval,
         "speculative": args.speculative,
         "draft_vocab": args.draft_vocab,

@@ -225,19 +225,23 @@ class EngineCacheCollector(Collector):
             ("captures", stats.captures, "Checkpoints captured inside prompts"),
             ("retains", stats.retains, "Finished turns kept as checkpoints"),
             ("evictions", stats.evictions, "Checkpoints dropped (memory pressure or a reset)"),
+            ("offloads", stats.offloads, "Checkpoints moved from the device to the host tier"),
+            ("restores", stats.restores, "Checkpoints moved back from the host tier to be continued"),
         ):
             yield CounterMetricFamily(f"ninfer_prefix_cache_{name}", text, value=value)
         checkpoints = GaugeMetricFamily(
             "ninfer_prefix_cache_checkpoints", "Checkpoints the Engine holds", labels=["tier"]
         )
-        checkpoints.add_metric(["device"], stats.checkpoints)
+        checkpoints.add_metric(["device"], stats.device_checkpoints)
+        checkpoints.add_metric(["host"], stats.host_checkpoints)
         yield checkpoints
         nbytes = GaugeMetricFamily(
             "ninfer_prefix_cache_checkpoint_bytes",
             "Bytes held by checkpoints alone (pages shared with running requests not counted)",
             labels=["tier"],
         )
-        nbytes.add_metric(["device"], stats.checkpoint_bytes)
+        nbytes.add_metric(["device"], stats.device_checkpoint_bytes)
+        nbytes.add_metric(["host"], stats.host_checkpoint_bytes)
         yield nbytes
         yield GaugeMetricFamily(
             "ninfer_prefix_cache_sessions",

@@ -180,6 +180,7 @@ def test_transition_clock_times_published_calls_and_comes_off() -> None:
         (("--multi-turn", "2", "--prefix-cache", "off"), "always runs with the context cache on"),
         (("--cache-memory-gb", "1",), "--cache-memory-gb needs the context cache"),
         (("--prefix-cache", "off", "--cache-memory-gb", "1"), "--cache-memory-gb needs the context cache"),
+        (("--host-cache-gb", "1",), "--host-cache-gb needs the context cache"),
         (("--multi-turn", "2", "--batch", "2"), "--batch is for the standard suite"),
         (("--image", "64x64", "--speculative", "mtp:2"), "--speculative is for the standard suite"),
         (("--multi-turn", "2", "--reply-tokens", "1"), "--reply-tokens must be >= 2"),
@@ -202,6 +203,7 @@ def test_mode_flag_errors(capsys: pytest.CaptureFixture[str], argv: tuple[str, .
         ("--image", "1x1000"),  # aspect ratio over 200
         ("--image", "9000x10"),
         ("--cache-memory-gb", "-1"),
+        ("--host-cache-gb", "-1"),
         ("--prefix-cache", "maybe"),
     ],
 )

@@ -1,7 +1,8 @@
-"""`--prefix-cache`, `--cache-memory-gb`, `--capture-interval` and `--speculative` on `serve`, `generate`
-and `chat`: bad values are one-line errors (exit 2), good ones reach EngineConfig, a package without an
-MTP layer is refused with one line before any weight is read, `generate --json` reports the drafts and
-the cached prompt tokens, and `chat` continues its own session every turn (the bundled demo model)."""
+"""`--prefix-cache`, `--cache-memory-gb`, `--host-cache-gb`, `--capture-interval` and `--speculative` on
+`serve`, `generate` and `chat`: bad values are one-line errors (exit 2), good ones reach EngineConfig, a
+package without an MTP layer is refused with one line before any weight is read, `generate --json`
+reports the drafts and the cached prompt tokens, and `chat` continues its own session every turn (the
+bundled demo model)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ BAD = [
     (("--cache-memory-gb", "-1"), "argument --cache-memory-gb: expected a number of GB >= 0, got '-1'"),
     (("--cache-memory-gb", "lots"), "argument --cache-memory-gb: expected a number of GB >= 0"),
     (("--cache-memory-gb", "nan"), "argument --cache-memory-gb: expected a number of GB >= 0"),
+    (("--host-cache-gb", "-0.5"), "argument --host-cache-gb: expected a number of GB >= 0, got '-0.5'"),
+    (("--host-cache-gb", "inf"), "argument --host-cache-gb: expected a number of GB >= 0"),
     (("--capture-interval", "0"), "argument --capture-interval: expected an integer >= 1, got 0"),
     (("--capture-interval", "1.5"), "argument --capture-interval: expected an integer, got '1.5'"),
     (("--speculative", "mtp:0"), "argument --speculative: speculative draft tokens K must be 1..8, got 0"),
@@ -102,8 +105,11 @@ def test_flags_reach_the_engine_config(command: str) -> None:
             "512",
             "--speculative",
             "mtp:3",
+            "--host-cache-gb",
+            "8",
         ),
     )
+    assert (default.host_cache_gb, given.host_cache_gb) == (0.0, 8.0)
     assert (default.prefix_cache, default.cache_memory_gb, default.capture_interval, default.speculative) == (
         True,
         None,

@@ -22,6 +22,13 @@ past the frontier (so reservations carry ``2K`` extra positions), up to ``min(ac
 budget)`` tokens produced per row, each state after a position in its own spare slot (K + 2 slots per
 sequence), committed by slot selection. Its tokens are plain decoding's, whatever the drafts.
 
+The host tier (``host_slots``, ``host_pages``: the book's, off by default) is simulated alike: host slots
+and pages hold what an offload copied there, a restore copies them back, and a checkpoint is intact only
+if the planes of its tier hold its tokens. The transfers run when the book moved the checkpoints (at
+``start`` and ``capture``, as the Program queues them), the device copies of a materialization at
+``finish``. ``offload`` and ``restore`` are fault points of their own: each transfer of that direction is
+a call, so ``faults={"restore": 1}`` raises inside the first restore, after the book moved it.
+
 Fault switches (``faults={"capture": 2}``: the second call of ``capture`` raises `ScriptedFault`; a
 ``name:after`` key raises after the call changed the book) and ``hooks`` (``hooks["capture"] = f``,
 called with the Program and the call's argument at entry; ``hooks["start:after"]`` with its result)
@@ -168,6 +175,8 @@ class BookProgram:
         checkpoint_slots: int = 4,
         spec_k: int = 0,
         materialize_polls: int = 0,
+        host_slots: int = 0,
+        host_pages: int = 0,
         eos_period: int = 9,
         draft_hit_rate: int = 3,  # drafts are right with probability about (rate - 1) / rate
         faults: dict[str, int] | None = None,
@@ -188,6 +197,8 @@ class BookProgram:
             checkpoint_slots=checkpoint_slots,
             slot_bytes=SLOT_BYTES,
             page_bytes=PAGE_BYTES,
+            host_slots=host_slots,
+            host_pages=host_pages,
         )
         self._max_concurrency = max_concurrency
         self.materialize_polls = materialize_polls
@@ -201,6 +212,10 @@ class BookProgram:
         self.slot_data: dict[int, State] = {}
         self.kv: dict[int, dict[int, int]] = {}  # page -> offset -> token (the text model's layers)
         self.drafter_kv: dict[int, dict[int, int]] = {}  # page -> offset -> position (a drafter's layer)
+        # the host tier's planes, by host slot and host page id
+        self.host_slot_data: dict[int, State] = {}
+        self.host_kv: dict[int, dict[int, int]] = {}
+        self.host_drafter_kv: dict[int, dict[int, int]] = {}
         self.violations: list[str] = []
         self.published: dict[int, Published] = {}
         self.dropped_pinned: list[int] = []
@@ -317,6 +332,23 @@ class BookProgram:
                 self.slot_data[slot] = s
         return states
 
+    def _transfer(self, copies: Copies) -> None:
+        """The moves between the tiers, in order (offloads before a restore)."""
+        for transfer in copies.transfers:
+            self._enter("offload" if transfer.to_host else "restore", transfer)
+            src, dst = transfer.state
+            if transfer.to_host:
+                self.host_slot_data[dst] = self.slot_data.get(src, State())
+            else:
+                self.slot_data[dst] = self.host_slot_data.get(src, State())
+            for src, dst in transfer.pages:
+                if transfer.to_host:
+                    self.host_kv[dst] = dict(self.kv.get(src, {}))
+                    self.host_drafter_kv[dst] = dict(self.drafter_kv.get(src, {}))
+                else:
+                    self.kv[dst] = dict(self.host_kv.get(src, {}))
+                    self.drafter_kv[dst] = dict(self.host_drafter_kv.get(src, {}))
+
     def _copy(self, copies: Copies) -> None:
         if copies.state is not None:
             src, dst = copies.state
@@ -327,12 +359,15 @@ class BookProgram:
             self.drafter_kv[dst] = dict(self.drafter_kv.get(src, {}))
 
     def checkpoint_intact(self, checkpoint_id: int) -> bool:
-        """The published checkpoint's slot and pages still hold exactly the tokens it was published at."""
+        """The published checkpoint's slot and pages (in its tier) still hold exactly the tokens it was
+        published at."""
         checkpoint = self.book.checkpoints[checkpoint_id]
         want = self.published[checkpoint_id].tokens
         ps = self.page_size
-        kv = tuple(self.kv.get(checkpoint.pages[p // ps], {}).get(p % ps, -1) for p in range(len(want)))
-        return self.slot_data.get(checkpoint.slot) == State().then(want) and kv == want
+        host = checkpoint.tier == "host"
+        planes, slots = (self.host_kv, self.host_slot_data) if host else (self.kv, self.slot_data)
+        kv = tuple(planes.get(checkpoint.pages[p // ps], {}).get(p % ps, -1) for p in range(len(want)))
+        return slots.get(checkpoint.slot) == State().then(want) and kv == want
 
     # ---- materialization (after Qwen36Program) --------------------------------------------------
     def plan_materialization(
@@ -351,6 +386,7 @@ class BookProgram:
     def start(self, plan: ResourcePlan) -> RunningTransaction:
         self._enter("start", plan)
         txn, copies = self.book.start(plan)
+        self._transfer(copies)  # the tier moves are queued at start, as the Program does
         # the copies run while the transaction is open: the test reads the source at finish, so a source
         # that changed meanwhile shows
         self._pending_copies = copies
@@ -426,6 +462,7 @@ class BookProgram:
             self.book.revision += 1
             return ResourceResult(kind="captured", resource_revision=self.book.revision)
         result, copies = self.book.capture(handle, seq.frontier, seq.current, digest, evictable)
+        self._transfer(copies)
         self._copy(copies)
         self._check_published(result, seq)
         self._after("capture")

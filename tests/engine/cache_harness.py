@@ -7,9 +7,12 @@ Checked after every boundary (`Harness.check`):
   only at or past its frontier, into its own pages, inside its reservation; every checkpoint was a
   complete continuation when published; a materialization's source was intact when it finished; no
   pinned checkpoint was dropped;
-- the ResourceManager's catalog and the book's checkpoints are the same set (ids, frontiers, digests);
+- the ResourceManager's catalog and the book's checkpoints are the same set (ids, frontiers, digests),
+  each in the tier the book holds it in (but for the moves of the open transaction, not yet adopted), and
+  the cache stats count each tier's entries;
 - the book's pools explain themselves: each page's reference count is its number of holders (active
-  reservations, the open claim, checkpoints), used state slots and sequence indices likewise;
+  reservations, the open claim, device checkpoints), used state slots and sequence indices likewise; the
+  host tier's slots and pages are exactly those its checkpoints hold, each by one;
 - SessionIndex: a bound session maps to a live checkpoint a request of that session published, with
   that request's publication order, and no live checkpoint of the session has a later order; a private
   entry belongs to the session that published it and is offered to no other (checked at planning);
@@ -23,8 +26,8 @@ output error), a capture only in Prefill of a prompt prefix.
 After the drain (`Harness.finish`): every request's tokens are those of the same request run alone on a
 cold Engine (no cache, plain decoding); a cancelled one published a prefix of them; published tokens
 are the Program's committed ones; an ``infeasible`` rejection is infeasible in an empty Program (root
-source, no checkpoint); capacity released once; usage at baseline; every checkpoint intact; then a reset
-returns every pool (state slots, pages, sequence indices) to its baseline.
+source, no checkpoint); capacity released once; usage at baseline; every checkpoint intact (in its tier);
+then a reset returns every pool (state slots, pages, sequence indices, the host tier's) to its baseline.
 """
 
 from __future__ import annotations
@@ -59,7 +62,16 @@ SYSTEMS = (
 DOCUMENT = bytes((ord("a") + (i * 7 + i // 5) % 26) for i in range(160))
 # the Program calls a cancellation can be armed for: the request the call concerns is cancelled inside it
 CANCEL_POINTS = (
-    "now", "start", "start_src", "poll", "finish", "prefill", "capture", "decode", "decode_b2", "force",
+    "now",
+    "start",
+    "start_src",
+    "poll",
+    "finish",
+    "prefill",
+    "capture",
+    "decode",
+    "decode_b2",
+    "force",
     "retain",
 )
 
@@ -69,7 +81,10 @@ def property_settings(examples: int = 200) -> settings:
     ``NINFER_PROPERTY_HUNT=N`` in the environment, N random ones (a local bug hunt)."""
     hunt = int(os.environ.get("NINFER_PROPERTY_HUNT", "0"))
     return settings(
-        max_examples=hunt or examples, deadline=None, derandomize=not hunt, database=None,
+        max_examples=hunt or examples,
+        deadline=None,
+        derandomize=not hunt,
+        database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 
@@ -168,12 +183,16 @@ class Harness:
     def _on_start(self, _p: BookProgram, plan: ResourcePlan) -> None:
         request = plan.sealed[0]
         serial = self.serial_of(request)
-        if plan.sealed[2]:
+        room = plan.sealed[2]
+        if room.drop:
             event("a plan evicted checkpoints")
+        if room.offload:
+            event("a plan offloaded checkpoints to the host tier")
+        source = plan.source_checkpoint
+        if source is not None and self.program.book.checkpoints[source].tier == "host":
+            event("a plan restores its source from the host tier")
         session = self.by_serial[serial].request.session_id
-        if session is not None and any(
-            r.session_id == session for r in self.core.laned.values()
-        ):
+        if session is not None and any(r.session_id == session for r in self.core.laned.values()):
             event("two turns of one session in flight")
         if self.on_start is not None:
             self.on_start(self, request, plan)
@@ -230,10 +249,19 @@ class Harness:
         self.by_serial[serial] = entry
         return True
 
-    def chat(self, system: int, topic: int, max_tokens: int, seed: int, cache: bool = True,
-             thinking: int | None = None) -> None:
-        messages = [{"role": "system", "content": SYSTEMS[system % len(SYSTEMS)]},
-                    {"role": "user", "content": f"topic {topic}?"}]
+    def chat(
+        self,
+        system: int,
+        topic: int,
+        max_tokens: int,
+        seed: int,
+        cache: bool = True,
+        thinking: int | None = None,
+    ) -> None:
+        messages = [
+            {"role": "system", "content": SYSTEMS[system % len(SYSTEMS)]},
+            {"role": "user", "content": f"topic {topic}?"},
+        ]
         extra: dict[str, Any] = {}
         if thinking is not None:  # a thinking budget: forced control after that many tokens
             extra = {"thinking_budget": thinking, "chat_template_kwargs": {"enable_thinking": True}}
@@ -288,15 +316,21 @@ class Harness:
         cache = core.resources.cache
         # the victims of an open materialization are gone from the book, and leave the catalog with the
         # transaction's result (finish or abort)
-        victims = set(book.open_txn.sealed.victims) if book.open_txn is not None else set()
+        claim = book.open_txn.sealed if book.open_txn is not None else None
+        victims = set(claim.victims) if claim is not None else set()
+        moving = {p.checkpoint_id for p in claim.placed} if claim is not None else set()
         assert set(cache.entries) == set(book.checkpoints) | victims, "catalog and Program checkpoints differ"
         assert not victims & set(book.checkpoints)
         for cid, cached in cache.entries.items():
             if cid in victims:
                 continue
-            entry = book.checkpoints[cid].entry
+            checkpoint = book.checkpoints[cid]
+            entry = checkpoint.entry
             assert (cached.entry.frontier_tokens, cached.entry.prefix_digest) == (
-                entry.frontier_tokens, entry.prefix_digest)
+                entry.frontier_tokens,
+                entry.prefix_digest,
+            )
+            assert cached.tier == checkpoint.tier or cid in moving, f"checkpoint {cid}'s tier differs"
             if cached.session is not None:
                 assert self.publisher(cid).request.session_id == cached.session
         # the pools explain themselves
@@ -309,12 +343,21 @@ class Harness:
             holders.update(claim.pages)
             slots += len(claim.slots)
             indices += 1
+        hosted = [c for c in book.checkpoints.values() if c.tier == "host"]
         for checkpoint in book.checkpoints.values():
-            holders.update(checkpoint.pages)
-            slots += 1
+            if checkpoint.tier == "device":
+                holders.update(checkpoint.pages)
+                slots += 1
         assert book.pages.used_count == len(holders)
         assert all(book.pages.refcount(p) == n for p, n in holders.items()), "a page refcount is wrong"
         assert book.slots.used_count == slots and book.indices.used_count == indices
+        host_pages = [p for c in hosted for p in c.pages]
+        assert len(set(host_pages)) == len(host_pages) == book.host_pages.used_count, "host pages shared"
+        assert len({c.slot for c in hosted}) == len(hosted) == book.host_slots.used_count
+        assert not any(c.pinned for c in hosted), "a pinned checkpoint in the host tier"
+        stats = cache.stats
+        assert stats.checkpoints == len(cache.entries)
+        assert stats.host_checkpoints == sum(1 for c in cache.entries.values() if c.tier == "host")
         # SessionIndex: the latest publication order of the session's live checkpoints
         for session, (cid, order) in cache.sessions.items():
             assert cid in cache.entries, "a session bound to a dropped checkpoint"
@@ -385,8 +428,10 @@ class Harness:
         assert book.slots.free_count == book.slots.size, "state slots not back at baseline"
         assert book.pages.free_count == book.pages.size, "KV pages not back at baseline"
         assert book.indices.free_count == book.indices.size, "sequence indices not back at baseline"
+        assert book.host_slots.free_count == book.host_slots.size, "host slots not back at baseline"
+        assert book.host_pages.free_count == book.host_pages.size, "host pages not back at baseline"
         usage = program.usage()
-        assert usage == core.baseline and usage.checkpoints == 0
+        assert usage == core.baseline and usage.checkpoints == 0 and usage.host_checkpoints == 0
         for r, _ in self.resets:
             assert r.wait(0) >= 0
 
@@ -429,11 +474,13 @@ def make_harness(
     faults: dict[str, int] | None = None,
     frontend: CacheFrontend | None = None,
     queue: int = 16,
+    host_slots: int = 0,
+    host_pages: int = 0,
 ) -> Harness:
     program = BookProgram(
         max_concurrency=mc, max_context=MAX_CONTEXT, page_size=page_size, kv_pages=kv_pages,
         checkpoint_slots=checkpoint_slots, spec_k=spec_k, materialize_polls=polls, eos_period=EOS_PERIOD,
-        faults=faults,
+        faults=faults, host_slots=host_slots, host_pages=host_pages,
     )  # fmt: skip
     frontend = frontend or CacheFrontend()
     config = EngineConfig(
@@ -452,8 +499,13 @@ def _cold_engine() -> Engine:
     program = BookProgram(
         max_concurrency=1, max_context=MAX_CONTEXT, checkpoint_slots=0, eos_period=EOS_PERIOD
     )
-    config = EngineConfig(max_concurrency=1, prefill_chunk_tokens=64, page_size=program.page_size,
-                          warmup=False, prefix_cache=False)
+    config = EngineConfig(
+        max_concurrency=1,
+        prefill_chunk_tokens=64,
+        page_size=program.page_size,
+        warmup=False,
+        prefix_cache=False,
+    )
     return Engine.from_parts(program, CacheFrontend(), config, start_worker=False)
 
 
@@ -462,8 +514,18 @@ _COLD: dict[str, tuple[int, ...]] = {}
 
 def cold_tokens(request: GenerationRequest) -> tuple[int, ...]:
     """The request run alone on a cold Engine: no cache, plain decoding (memoized)."""
-    key = repr((request.prompt, request.messages, request.max_tokens, request.seed, request.stop,
-                request.stop_token_ids, request.thinking_budget, request.chat_template_kwargs))
+    key = repr(
+        (
+            request.prompt,
+            request.messages,
+            request.max_tokens,
+            request.seed,
+            request.stop,
+            request.stop_token_ids,
+            request.thinking_budget,
+            request.chat_template_kwargs,
+        )
+    )
     if key not in _COLD:
         engine = _cold_engine()
         handle = engine.submit(request)
@@ -502,8 +564,14 @@ def run_actions(h: Harness, actions: list[tuple]) -> None:
         elif kind == "burst":  # several requests at once, long enough to share decode rounds
             for j in range(act[1]):
                 prompt = [ord("a") + (act[2] + 3 * j + i) % 26 for i in range(4 + (act[2] >> j) % 24)]
-                h.submit(GenerationRequest(prompt=prompt, max_tokens=8 + (act[2] >> (2 * j)) % 24,
-                                           seed=act[2] + j, ignore_eos=True))
+                h.submit(
+                    GenerationRequest(
+                        prompt=prompt,
+                        max_tokens=8 + (act[2] >> (2 * j)) % 24,
+                        seed=act[2] + j,
+                        ignore_eos=True,
+                    )
+                )
         elif kind == "step":
             for _ in range(act[1]):
                 h.step()

@@ -15,6 +15,12 @@ The specification (engine-control-plane, 失败分类), quoted next to each case
   from start, which is re-planned)" fails the Engine; an exception from one request's OutputSession
   fails only that request (RequestFailed), "The Engine's shared state is intact".
 
+The host tier's moves (an offload of a victim, a restore of a plan's source) are Program mutations like
+any other: a fault in one fails the Engine, and so does a result whose placements cannot be adopted
+("noexcept adoption invariant 被破坏"); a restore that does not fit is no failure at all, the plan falls
+back to a shorter source or the root ("即使采用 root source 并释放全部 inactive cache，单请求仍不可行" is
+still the only resource rejection).
+
 After a request-level failure the Engine keeps serving (a later request gets the cold tokens) and, after
 a reset, every pool is back at its baseline. After an Engine failure every outstanding request ends with
 EngineFailed, later submits raise, a cache reset asked for afterwards completes at once, cleanup aborts
@@ -23,6 +29,7 @@ the open transaction before it releases any sequence, and every active resource 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -30,6 +37,7 @@ from cache_frontend import CacheFrontend
 from cache_harness import SYSTEMS, Harness, chat_request, cold_tokens, make_harness, run_actions
 
 from ninfer import EngineFailed, GenerationRequest, RequestFailed
+from ninfer.runtime.contract.types import CheckpointPlacement
 
 # a conversation whose second turn continues the first, a second session sharing its system prompt, a
 # document pair sharing a prefix, a turn cancelled while it materializes from a source, and a reset
@@ -52,8 +60,17 @@ SCENARIO: list[tuple] = [
 
 
 def harness(faults: dict[str, int] | None = None, frontend: CacheFrontend | None = None) -> Harness:
-    return make_harness(mc=2, page_size=4, kv_pages=None, checkpoint_slots=2, polls=1, chunk=16,
-                        capture_interval=32, faults=faults, frontend=frontend)
+    return make_harness(
+        mc=2,
+        page_size=4,
+        kv_pages=None,
+        checkpoint_slots=2,
+        polls=1,
+        chunk=16,
+        capture_interval=32,
+        faults=faults,
+        frontend=frontend,
+    )
 
 
 def settle(h: Harness) -> None:
@@ -89,6 +106,117 @@ def test_a_program_fault_in_the_cache_paths_fails_the_engine(faults: dict[str, i
     h = harness(faults)
     run_actions(h, SCENARIO)
     settle(h)
+    assert_engine_failed(h, faults, what)
+
+
+# three sessions taking turns on one lane with one checkpoint slot: each turn pushes the others'
+# checkpoints to the host tier, and each session's next turn restores its own
+HOST_SCENARIO: list[tuple] = [("chat", s, s, 8, 30 + s) for s in range(3)] + [("step", 200)]
+for _turn in range(2):
+    HOST_SCENARIO += [("follow", 3 * _turn + s, 10 * _turn + s, 8, 40 + s) for s in range(3)]
+    HOST_SCENARIO.append(("step", 200))
+HOST_SCENARIO += [
+    ("cancel", "start_src", 0),
+    ("follow", 6, 50, 6, 50),
+    ("step", 100),
+    ("reset",),
+    ("step", 20),
+]
+
+
+def host_harness(faults: dict[str, int] | None = None, checkpoint_slots: int = 1) -> Harness:
+    return make_harness(
+        mc=1,
+        page_size=4,
+        kv_pages=None,
+        checkpoint_slots=checkpoint_slots,
+        polls=1,
+        chunk=16,
+        capture_interval=32,
+        faults=faults,
+        host_slots=12,
+        host_pages=400,
+    )
+
+
+# the host tier's fault points: each raises inside the Program after the book moved the checkpoint
+HOST_FAULTS = [
+    ({"offload": 1}, "the first offload (a capture's or a plan's victim)"),
+    ({"offload": 4}, "a later offload"),
+    ({"restore": 1}, "the first restore of a plan's source"),
+    ({"restore": 2}, "a later restore"),
+    ({"start:after": 5}, "start after a plan moved checkpoints between the tiers"),
+    ({"finish": 5}, "finish of a materialization that restored its source"),
+    ({"abort": 1}, "abort of a materialization from a restored source, cancelled"),
+]
+
+
+@pytest.mark.parametrize(("faults", "what"), HOST_FAULTS, ids=[next(iter(f)) for f, _ in HOST_FAULTS])
+def test_a_program_fault_in_the_host_tier_fails_the_engine(faults: dict[str, int], what: str) -> None:
+    h = host_harness(faults)
+    run_actions(h, HOST_SCENARIO)
+    settle(h)
+    assert_engine_failed(h, faults, what)
+
+
+def test_the_host_scenario_moves_checkpoints_both_ways_without_faults() -> None:
+    """The scenario the host faults run in offloads and restores (so each fault point is reached)."""
+    h = host_harness()
+    run_actions(h, HOST_SCENARIO)
+    stats = h.core.resources.cache.stats
+    assert stats.offloads >= 4 and stats.restores >= 2, stats
+    assert h.program.calls.get("restore", 0) == stats.restores
+    h.finish(cold_tokens)
+
+
+@pytest.mark.parametrize("broken", ["same tier", "unknown checkpoint", "placed and removed"])
+def test_a_placement_the_catalog_cannot_adopt_fails_the_engine(broken: str) -> None:
+    """A result whose placements contradict the catalog is an adoption invariant break: the Engine fails
+    ("内部不变量错误不能降级成 cache miss、等待或重试"), it is not turned into a miss."""
+    h = host_harness()
+    h.fail_ok = True
+    run_actions(h, HOST_SCENARIO[:4])
+    assert h.program.book.checkpoints
+    book = h.program.book
+    finish = book.finish
+
+    def corrupted(txn: Any) -> Any:
+        result = finish(txn)
+        known = next(iter(h.core.resources.cache.entries))
+        tier = h.core.resources.cache.tier(known)
+        placement = {
+            "same tier": CheckpointPlacement(known, tier),
+            "unknown checkpoint": CheckpointPlacement(10_000, "host"),
+            "placed and removed": CheckpointPlacement(known, "host" if tier == "device" else "device"),
+        }[broken]
+        removed = (*result.removed, known) if broken == "placed and removed" else result.removed
+        return dataclasses.replace(result, placed=(*result.placed, placement), removed=removed)
+
+    book.finish = corrupted  # type: ignore[method-assign]
+    run_actions(h, [("follow", 0, 60, 6, 61)])
+    settle(h)
+    assert h.core.failed and "checkpoint" in h.core.availability.reason, h.core.availability.reason
+    assert all(
+        isinstance(e.handle.result(0, raise_on_error=False).error, EngineFailed)
+        for e in h.submitted
+        if e.handle.result(0, raise_on_error=False).finish_reason == "error"
+    )
+
+
+def test_a_restore_that_does_not_fit_runs_cold_not_a_failure() -> None:
+    """No checkpoint slot: a retained turn holds a lane's slot, the next session's turn pushes it to the
+    host, and its own next turn cannot restore it beside the lane's slots: it falls back to a shorter
+    source or the root and gives the cold tokens; nothing fails, nothing is rejected."""
+    h = host_harness(checkpoint_slots=0)
+    run_actions(h, HOST_SCENARIO[:-5])
+    stats = h.core.resources.cache.stats
+    assert stats.offloads > 0 and stats.restores == 0, stats
+    assert not h.core.failed
+    h.finish(cold_tokens)
+
+
+def assert_engine_failed(h: Harness, faults: dict[str, int], what: str) -> None:
+    """The Engine failed as a whole on the injected fault (module docstring)."""
     name = next(iter(faults)).split(":")[0]
     assert h.program.calls.get(name, 0) >= faults[next(iter(faults))], f"the fault ({what}) never fired"
     core = h.core
@@ -115,8 +243,9 @@ def test_a_program_fault_in_the_cache_paths_fails_the_engine(faults: dict[str, i
         assert max(aborts) < min(releases)
     usage = h.program.usage()
     # a Program that raised before changing anything is cleaned up whole; one that raised after its
-    # change (or whose abort failed) keeps what the Engine could not know of: it is no longer trusted
-    if ":after" not in next(iter(faults)) and name != "abort":
+    # change (a tier move is one, or whose abort failed) keeps what the Engine could not know of: it is
+    # no longer trusted
+    if ":after" not in next(iter(faults)) and name not in ("abort", "offload", "restore"):
         assert (usage.sequences, usage.open_transactions, usage.open_pending_batches) == (0, 0, 0)
     assert core.outstanding == 0 or all(e.channel.response_done for e in h.submitted)
 
@@ -180,8 +309,9 @@ def test_an_output_fault_fails_only_its_request_and_the_pools_return(
     if reason == "error":
         assert isinstance(result.error, RequestFailed)
         assert result.token_ids == cold_tokens(boom.request)[: len(result.token_ids)]
-    retained_by_boom = [c for c, p in h.program.published.items()
-                        if p.kind == "retained" and h.publisher(c) is boom]
+    retained_by_boom = [
+        c for c, p in h.program.published.items() if p.kind == "retained" and h.publisher(c) is boom
+    ]
     if "finish" in fail:
         # OutputSession.finish runs after the terminal retain: the turn's model state is complete and
         # stays cached, though the request ends with RequestFailed
@@ -209,12 +339,22 @@ def test_a_boundary_outside_the_accepted_span_fails_the_engine() -> None:
     assert all(p.kind == "captured" for p in h.program.published.values()), "a broken turn was retained"
 
 
-def test_infeasible_is_decided_as_if_the_cache_were_empty() -> None:
-    """"即使采用 root source 并释放全部 inactive cache，单请求仍不可行" is the only resource rejection: with
-    the pool full of checkpoints, a request that fits an empty Program is admitted (evicting), one that
-    does not is rejected alone, and the Engine goes on."""
-    h = make_harness(mc=1, page_size=4, kv_pages=40, checkpoint_slots=4, polls=0, chunk=16,
-                     capture_interval=16)
+@pytest.mark.parametrize("host_slots", [0, 3], ids=["device only", "host tier"])
+def test_infeasible_is_decided_as_if_the_cache_were_empty(host_slots: int) -> None:
+    """ "即使采用 root source 并释放全部 inactive cache，单请求仍不可行" is the only resource rejection: with
+    the pool full of checkpoints (and the host tier full too), a request that fits an empty Program is
+    admitted (offloading or evicting), one that does not is rejected alone, and the Engine goes on."""
+    h = make_harness(
+        mc=1,
+        page_size=4,
+        kv_pages=40,
+        checkpoint_slots=4,
+        polls=0,
+        chunk=16,
+        capture_interval=16,
+        host_slots=host_slots,
+        host_pages=30,
+    )
     run_actions(h, [("document", 150, 0, 4, 1), ("step", 60), ("document", 90, 1, 4, 2), ("step", 60)])
     assert h.program.book.checkpoints
     fits = GenerationRequest(prompt=[ord("z")] * 150, max_tokens=10, seed=3)  # 160 positions = 40 pages

@@ -78,6 +78,8 @@ def build_engine(
     max_concurrency: int = 1,
     checkpoint_slots: int = 16,
     kv_pages: int | None = None,
+    host_slots: int = 0,
+    host_pages: int = 0,
     chunk: int = 32,
     capture_interval: int = 128,
     start_worker: bool = True,
@@ -87,7 +89,8 @@ def build_engine(
 ) -> Engine:
     """A CPU fp32 Engine on the tiny package (the `stopping_view` of its chats with ``thinking`` unless
     ``view``) with room for ``checkpoint_slots`` checkpoints (``kv_pages`` defaults to the lanes' own
-    pages plus as many again). ``start_worker=False``: no worker thread, the caller steps the core.
+    pages plus as many again) and a host tier of ``host_slots`` slots and ``host_pages`` pages.
+    ``start_worker=False``: no worker thread, the caller steps the core.
     ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``clock``: the
     Engine's clock; ``config_fields``: more EngineConfig fields."""
     variant = PACKAGES[name].variant
@@ -99,6 +102,7 @@ def build_engine(
             max_concurrency=max_concurrency, max_context=MAX_CONTEXT, page_size=PAGE_SIZE,
             kv_pages=kv_pages if kv_pages is not None else 2 * lane_pages, device=torch.device("cpu"),
             dtype=torch.float32, checkpoint_slots=checkpoint_slots if prefix_cache else 0,
+            host_checkpoint_slots=host_slots, host_kv_pages=host_pages,
         ),
         backend=MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None,
     )  # fmt: skip

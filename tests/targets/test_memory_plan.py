@@ -164,7 +164,8 @@ def test_no_room_for_the_pool_is_refused_naming_the_flags(name: str, total: int,
     message = str(info.value)
     assert message.startswith("no room for the KV pool: NInfer may hold ")
     assert f"{fraction * total / GIB:.1f} GiB ({fraction:g} of {total / GIB:.1f} GiB)" in message
-    assert f"the weights and others hold {(weight_bytes(PACKAGES[name].variant, False) + CUDA_CONTEXT) / GIB:.1f} GiB" in message  # noqa: E501
+    held = (weight_bytes(PACKAGES[name].variant, False) + CUDA_CONTEXT) / GIB
+    assert f"the weights and others hold {held:.1f} GiB" in message
     assert "raise --gpu-memory-fraction" in message and "--max-image-tokens" in message
 
 
@@ -263,3 +264,32 @@ def test_build_program_on_cuda_sizes_the_program_from_the_measured_memory(
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "the model allows more" in warnings[0].getMessage()
     assert any("9.0 GiB free on the device" in r.getMessage() for r in caplog.records)
+
+
+def test_the_host_tier_takes_host_cache_gb_a_quarter_slots_the_rest_pages() -> None:
+    """``host_cache_gb`` is host memory: the device plan is the same with it or without, the tier gets a
+    quarter of it in state slots (each a whole GDN state: 147 MiB on the 27B) and the rest in pages, and
+    nothing without the context cache."""
+    v = PACKAGES["qwen3_6_27b"].variant
+    slot, page_bytes = gdn_slot_bytes(v), kv_bytes_per_token(v) * PAGE
+    without = cuda_plan("qwen3_6_27b", H200_141GB)
+    plan = cuda_plan("qwen3_6_27b", H200_141GB, host_cache_gb=64)
+    assert (plan.kv_pages, plan.checkpoint_slots, plan.max_context) == (
+        without.kv_pages, without.checkpoint_slots, without.max_context,
+    )  # fmt: skip
+    slots = 16 * GIB // slot
+    assert (plan.host_slots, plan.host_pages) == (slots, (64 * GIB - slots * slot) // page_bytes)
+    assert plan.host_bytes <= 64 * GIB and "host tier" in plan.describe() and "pinned" in plan.describe()
+    assert (without.host_slots, without.host_pages) == (0, 0) and "host tier" not in without.describe()
+    off = cuda_plan("qwen3_6_27b", H200_141GB, host_cache_gb=64, prefix_cache=False)
+    assert (off.host_slots, off.host_pages) == (0, 0)
+    # a budget too small for one slot and one page is no tier; one that holds few pages trades slots
+    assert cuda_plan("qwen3_6_27b", H200_141GB, host_cache_gb=0.1).host_slots == 0
+    small = cuda_plan("qwen3_6_27b", H200_141GB, host_cache_gb=(slot + 3 * page_bytes) / GIB)
+    assert (small.host_slots, small.host_pages) == (1, 3)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan"), True, "8"])
+def test_host_cache_gb_must_be_a_number_of_gb(value: object) -> None:
+    with pytest.raises(ValueError, match="host_cache_gb"):
+        EngineConfig(host_cache_gb=value)  # type: ignore[arg-type]

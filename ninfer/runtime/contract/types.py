@@ -130,6 +130,8 @@ class ResourceCapacity:
     page_size: int  # KV positions per page
     max_context: int  # longest sequence (prompt + generated) one request may reach
     kv_page_bytes: int = 0  # device bytes of one page id in every KV pool (0: not said)
+    host_state_slots: int = 0  # state slots of the host tier for offloaded checkpoints (0: no tier)
+    host_kv_pages: int = 0  # KV pages of the host tier
     gpu_memory_fraction: float | None = None  # the device-memory share the pools were sized under, if so
     memory_plan: str = ""  # one line: how the Program divided the memory ("" when it does not say)
 
@@ -140,8 +142,8 @@ class ResourceUsage:
 
     The first six fields count active work (sequences, open transactions and batches): after every
     request has ended they equal the baseline. What published checkpoints hold is reported apart, in the
-    last three fields, which equality ignores ("checkpoints aside", rule 14): after the cache is cleared
-    they are 0.
+    last five fields (device and host tier), which equality ignores ("checkpoints aside", rule 14): after
+    the cache is cleared they are 0.
     """
 
     sequences: int = 0  # active sequences (materialized, not yet released)
@@ -150,9 +152,11 @@ class ResourceUsage:
     kv_pages_reserved: int = 0  # pages promised to active sequences / transactions (includes mapped ones)
     open_transactions: int = 0  # started resource transactions not yet finished or aborted
     open_pending_batches: int = 0  # PendingBatches not yet committed or aborted (0 or 1)
-    checkpoints: int = field(default=0, compare=False)  # published checkpoints held
-    checkpoint_state_slots: int = field(default=0, compare=False)  # slots only checkpoints hold
-    checkpoint_kv_pages: int = field(default=0, compare=False)  # pages only checkpoints hold
+    checkpoints: int = field(default=0, compare=False)  # published checkpoints held (every tier)
+    checkpoint_state_slots: int = field(default=0, compare=False)  # device slots only checkpoints hold
+    checkpoint_kv_pages: int = field(default=0, compare=False)  # device pages only checkpoints hold
+    host_checkpoints: int = field(default=0, compare=False)  # checkpoints in the host tier
+    host_kv_pages: int = field(default=0, compare=False)  # host-tier pages they hold
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,6 +181,22 @@ class CheckpointEntry:
     prefix_digest: str
     frontier_tokens: int
     shared: bool = True
+    nbytes: int = 0
+
+
+CheckpointTier = Literal["device", "host"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPlacement:
+    """A checkpoint a transition moved between tiers: ``tier`` is where it is now (``host``: offloaded
+    from the device to the Program's host-memory tier; ``device``: restored from it), ``nbytes`` the
+    memory of that tier only it holds now. A checkpoint is published on the device; it keeps its id and
+    identity in every tier, and only a device checkpoint can be continued (a plan restores a host one
+    first)."""
+
+    checkpoint_id: int
+    tier: CheckpointTier
     nbytes: int = 0
 
 
@@ -397,7 +417,10 @@ class ResourceResult:
       empty: nothing fitted, even after the evictions offered).
     - ``evicted``: the ``removed`` checkpoints and everything only they held are gone.
     ``published``/``removed`` list the catalog changes of any transition (a plan's eviction victims
-    appear in ``removed`` of the transition that carries the plan out).
+    appear in ``removed`` of the transition that carries the plan out); ``placed`` the checkpoints it
+    moved between the device and the host tier (a plan's or a capture's victims offloaded instead of
+    dropped, a plan's host source restored), in the order it moved them. A checkpoint is in at most one
+    of ``published``, ``removed`` and ``placed``.
     ``resource_revision`` is the Program's revision after the transition.
     """
 
@@ -407,6 +430,7 @@ class ResourceResult:
     reused_prefix_tokens: int = 0
     published: tuple[CheckpointEntry, ...] = ()
     removed: tuple[int, ...] = ()
+    placed: tuple[CheckpointPlacement, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,8 +465,8 @@ class PendingRow(NamedTuple):
     the request asked for logprobs, else ``None`` (a ``force`` row may leave it ``None``: forced tokens
     were not sampled, and the Engine reports them with logprob 0.0); ``accept_meta`` is Program-private
     per-position metadata for the accepted-prefix commit (e.g. which speculative state to select);
-``drafted`` and ``draft_hits`` count a speculative unit's drafts (observability: the Engine sums the
-hits among the tokens it accepts).
+    ``drafted`` and ``draft_hits`` count a speculative unit's drafts (observability: the Engine sums the
+    hits among the tokens it accepts).
 
     A NamedTuple, as ``RowDecision``: the Program builds one per row of every unit, on the host path
     between two decode steps, where a frozen dataclass costs about 1 us more to build. It is immutable
@@ -631,6 +655,11 @@ class Program(Protocol):
         ResourceManager offers, best first (the plan names the one it continues, ``source_checkpoint``,
         and pins it until finish or abort); ``evictable`` are the inactive checkpoints it may evict to
         make room, in the order the ResourceManager would rather lose them (the plan seals its victims).
+        With a host tier (`CheckpointPlacement`) the order is also the host tier's: a device victim is
+        offloaded instead of dropped when the host has room for it, or gets it by dropping host
+        checkpoints that come before it in the order; a candidate in the host tier is restored to the
+        device as a stage of the plan, which must then fit its pages and state slot too (else the plan
+        falls back to the next candidate, then the root).
         """
         ...
 
@@ -719,7 +748,8 @@ class CheckpointProgram(Protocol):
 
     def capture(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
         """Publish the active sequence's state at its committed frontier (``captured``), evicting from
-        ``evictable`` in order what it must to fit; nothing is published when even that does not fit."""
+        ``evictable`` in order what it must to fit (offloading to the host tier as a plan does); nothing
+        is published when even that does not fit."""
         ...
 
     def retain(self, handle: SequenceHandle, evictable: Sequence[CheckpointEntry] = ()) -> ResourceResult:
@@ -729,7 +759,7 @@ class CheckpointProgram(Protocol):
         ...
 
     def evict(self, checkpoint_ids: Sequence[int]) -> ResourceResult:
-        """Remove inactive checkpoints (``evicted``) and free what only they held."""
+        """Remove inactive checkpoints of any tier (``evicted``) and free what only they held."""
         ...
 
 

@@ -13,7 +13,14 @@ Policy (docs/resources-and-context-cache.md):
   preamble, the start of the reply) and every ``capture_interval`` prompt tokens (`capture_points`);
 - retain a finished turn as a checkpoint when the Frontend says the history renderer reproduces its
   output (its last committed span ends at a reuse boundary): private to its session when it has one;
-- evict the least recently used shared entries first, session continuations last.
+- evict the least recently used shared entries first, session continuations last; the same order is
+  the host tier's (a Program with one offloads a device victim there instead of dropping it, making host
+  room by dropping host entries that come before it), so the tier keeps the most valuable of what left
+  the device.
+
+An entry's tier (device, or the Program's host tier) is what the last result that placed it said, and
+its bytes what that result said it holds there: a logical fact for the stats and the policy, not a
+mirror of the Program's pools.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ninfer.runtime.contract.identity import prefix_digests
-from ninfer.runtime.contract.types import CheckpointEntry, ResourceResult
+from ninfer.runtime.contract.types import CheckpointEntry, CheckpointTier, ResourceResult
 from ninfer.runtime.engine.request_record import RequestRecord
 
 MAX_CANDIDATES = 4  # sources offered to one plan, best first
@@ -36,6 +43,12 @@ class CatalogEntry:
     publication_order: int  # of the request whose transition published it
     last_used: int  # the catalog clock when it was published or last continued
     hits: int = 0
+    tier: CheckpointTier = "device"  # where the last result that placed it put it
+    nbytes: int = -1  # bytes only it holds in its tier, as the last placement said (-1: as published)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.entry.nbytes if self.nbytes < 0 else self.nbytes
 
     @property
     def checkpoint_id(self) -> int:
@@ -47,15 +60,27 @@ class CacheStats:
     """A snapshot of the cache's counters (the worker replaces it after each change; any thread reads)."""
 
     enabled: bool = False
-    checkpoints: int = 0
-    checkpoint_bytes: int = 0
+    checkpoints: int = 0  # every tier
+    checkpoint_bytes: int = 0  # every tier: device bytes of device entries, host bytes of host entries
+    host_checkpoints: int = 0  # of them, in the host tier
+    host_checkpoint_bytes: int = 0
     sessions: int = 0
     queries: int = 0  # admissions that looked for a source (the cache on for the request)
     hits: int = 0  # admissions that continued a checkpoint
     hit_tokens: int = 0  # prompt tokens those admissions did not prefill
     captures: int = 0  # checkpoints captured inside prompts
     retains: int = 0  # finished turns kept as checkpoints
-    evictions: int = 0  # checkpoints evicted (pressure or reset)
+    evictions: int = 0  # checkpoints dropped from the catalog (pressure, a full host tier, or reset)
+    offloads: int = 0  # checkpoints moved from the device to the host tier
+    restores: int = 0  # checkpoints moved back from the host tier to continue them
+
+    @property
+    def device_checkpoints(self) -> int:
+        return self.checkpoints - self.host_checkpoints
+
+    @property
+    def device_checkpoint_bytes(self) -> int:
+        return self.checkpoint_bytes - self.host_checkpoint_bytes
 
 
 class ContextCache:
@@ -72,7 +97,10 @@ class ContextCache:
         self._shared: dict[int, dict[str, int]] = {}  # frontier -> digest -> checkpoint id
         self.sessions: dict[str, tuple[int, int]] = {}  # session -> (checkpoint id, publication order)
         self._clock = 0
-        self._counts = {"queries": 0, "hits": 0, "hit_tokens": 0, "captures": 0, "retains": 0, "evictions": 0}
+        self._counts = {
+            "queries": 0, "hits": 0, "hit_tokens": 0, "captures": 0, "retains": 0, "evictions": 0,
+            "offloads": 0, "restores": 0,
+        }  # fmt: skip
         self.stats = CacheStats(enabled=enabled)
 
     def uses_cache(self, record: RequestRecord) -> bool:
@@ -140,12 +168,17 @@ class ContextCache:
     def adopt(
         self, result: ResourceResult, record: RequestRecord | None = None, *, private: bool = False
     ) -> None:
-        """The catalog changes of one adopted result: removals, then publications (bound to ``record``'s
-        session when ``private``; a later request's binding is never replaced by an earlier one)."""
+        """The catalog changes of one adopted result: removals, placements, then publications (bound to
+        ``record``'s session when ``private``; a later request's binding is never replaced by an earlier
+        one)."""
         for checkpoint_id in result.removed:
             self._remove(checkpoint_id)
         if result.removed:
             self._counts["evictions"] += len(result.removed)
+        for placement in result.placed:
+            cached = self.entries[placement.checkpoint_id]
+            cached.tier, cached.nbytes = placement.tier, placement.nbytes
+            self._counts["offloads" if placement.tier == "host" else "restores"] += 1
         for entry in result.published:
             self._clock += 1
             order = record.publication_order if record is not None else 0
@@ -208,11 +241,17 @@ class ContextCache:
         self.sessions.clear()
         self._publish_stats()
 
+    def tier(self, checkpoint_id: int) -> CheckpointTier:
+        return self.entries[checkpoint_id].tier
+
     def _publish_stats(self) -> None:
+        host = [c for c in self.entries.values() if c.tier == "host"]
         self.stats = CacheStats(
             enabled=self.enabled,
             checkpoints=len(self.entries),
-            checkpoint_bytes=sum(c.entry.nbytes for c in self.entries.values()),
+            checkpoint_bytes=sum(c.held_bytes for c in self.entries.values()),
+            host_checkpoints=len(host),
+            host_checkpoint_bytes=sum(c.held_bytes for c in host),
             sessions=len(self.sessions),
             **self._counts,
         )

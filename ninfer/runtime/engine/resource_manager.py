@@ -138,6 +138,9 @@ class ResourceManager:
         if result.reused_prefix_tokens and txn.plan.source_checkpoint not in self.cache.entries:
             raise EngineInvariantError(f"materialized from unknown checkpoint {txn.plan.source_checkpoint}")
         self._adopt(result, record)
+        source = txn.plan.source_checkpoint
+        if result.reused_prefix_tokens and source is not None and self.cache.tier(source) != "device":
+            raise EngineInvariantError(f"materialized from checkpoint {source} left in the host tier")
         self._move(self.lane_of(record), LaneState.MATERIALIZING, LaneState.ACTIVE)
         record.handle = result.handle
         record.reused_prefix_tokens = result.reused_prefix_tokens
@@ -244,7 +247,18 @@ class ResourceManager:
         for entry in result.published:
             if entry.checkpoint_id in self.cache.entries:
                 raise EngineInvariantError(f"checkpoint {entry.checkpoint_id} published twice")
-        if (result.published or result.removed) and not self.cache.enabled:
+        moved = [p.checkpoint_id for p in result.placed]
+        if len(set(moved)) != len(moved) or set(moved) & set(result.removed):
+            raise EngineInvariantError(f"result places checkpoints twice or places removed ones: {moved}")
+        for placement in result.placed:
+            cached = self.cache.entries.get(placement.checkpoint_id)
+            if cached is None:
+                raise EngineInvariantError(f"result places unknown checkpoint {placement.checkpoint_id}")
+            if placement.tier not in ("device", "host") or placement.tier == cached.tier:
+                raise EngineInvariantError(
+                    f"checkpoint {placement.checkpoint_id} placed in {placement.tier!r} from {cached.tier!r}"
+                )
+        if (result.published or result.removed or result.placed) and not self.cache.enabled:
             raise EngineInvariantError("a checkpoint change without the context cache")
         if result.resource_revision < self.resource_revision:
             raise EngineInvariantError("resource_revision went backwards")

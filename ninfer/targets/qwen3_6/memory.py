@@ -19,6 +19,9 @@ length fits in the pool, else to the largest that fits (whole pages). The pool h
 
 CPU: the pool is ``max_context x max_concurrency`` pages plus the context cache's share (at most 1 GiB),
 ``max_context`` defaults to ``min(model, 32768)``: small, fast to allocate, and what the CPU tests use.
+
+Host tier (both devices, `host_tier`): ``host_cache_gb`` of host memory (pinned on CUDA) for checkpoints
+offloaded from the device, a quarter state slots (at most one per page), the rest KV pages; 0: none.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ MAX_CHECKPOINT_SLOTS = 64
 CHECKPOINT_SLOT_SHARE = 0.1
 # CPU: the context cache's default budget, four times the lanes' state, at most this
 CPU_CACHE_LIMIT = GIB
+# the host tier's share of its budget that becomes state slots (the rest KV pages), like the CPU cache's
+HOST_SLOT_SHARE = 0.25
 # a default max_context shorter than min(this, the model's positions) is refused instead of taken
 MIN_DEFAULT_CONTEXT = 4096
 # CUDA: the pool holds at most this many requests at max_context (binds only for small models, whose pool
@@ -92,6 +97,13 @@ class MemoryPlan:
     held_bytes: int = 0  # CUDA: held before the Program is built: weights, CUDA context, other processes
     gpu_memory_fraction: float | None = None  # CUDA: the share of total_bytes NInfer may hold
     capped: bool = False  # CUDA: the pool was held to MAX_POOL_CONTEXTS requests at max_context
+    host_slots: int = 0  # state slots of the host tier for offloaded checkpoints (0: no host tier)
+    host_pages: int = 0  # KV pages of the host tier
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the host tier takes (pinned on CUDA)."""
+        return self.host_slots * self.slot_bytes + self.host_pages * self.page_bytes
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -134,13 +146,19 @@ class MemoryPlan:
             f"{self.lane_slots} lane + {self.checkpoint_slots} checkpoint state slots "
             f"({self.slots_bytes / g:.1f} GiB)"
         )
+        host = (
+            f"; host tier {self.host_slots} checkpoint state slots + {self.host_pages * self.page_size:,} "
+            f"tokens ({self.host_bytes / g:.1f} GiB{' pinned' * (self.device == 'cuda')})"
+            if self.host_slots
+            else ""
+        )
         if self.device != "cuda":
-            return f"{head}{reason}; {slots}; pool sized from max_context x max_concurrency (CPU)"
+            return f"{head}{reason}; {slots}; pool sized from max_context x max_concurrency (CPU){host}"
         cap = f"; the pool is capped at {MAX_POOL_CONTEXTS} requests at max_context" if self.capped else ""
         return (
             f"{head}{reason}; of {self.total_bytes / g:.1f} GiB x gpu_memory_fraction "
             f"{self.gpu_memory_fraction:.2f} = {self.allowed_bytes / g:.1f} GiB: weights and others "
-            f"{self.held_bytes / g:.1f}, working space {self.working_bytes / g:.1f}, {slots}{cap}"
+            f"{self.held_bytes / g:.1f}, working space {self.working_bytes / g:.1f}, {slots}{cap}{host}"
         )
 
 
@@ -183,6 +201,23 @@ def default_ceiling(positions: int, config: EngineConfig, device: torch.device) 
     return min(positions, CPU_DEFAULT_MAX_CONTEXT)
 
 
+def host_tier(config: EngineConfig, slot_bytes: int, page_bytes: int) -> tuple[int, int]:
+    """(state slots, KV pages) of the host tier: ``host_cache_gb`` split a quarter to slots, the rest to
+    pages, at most one slot per page (a checkpoint holds at least one); (0, 0) without the context cache
+    or when the budget holds less than one slot and one page."""
+    if not config.prefix_cache or config.host_cache_gb <= 0:
+        return 0, 0
+    budget = int(config.host_cache_gb * GIB)
+    if budget < slot_bytes + page_bytes:
+        return 0, 0
+    slots = max(1, int(budget * HOST_SLOT_SHARE) // slot_bytes)
+    pages = (budget - slots * slot_bytes) // page_bytes
+    while pages < slots:  # a slot whose checkpoint could hold no page is better spent on pages
+        slots -= 1
+        pages = (budget - slots * slot_bytes) // page_bytes
+    return slots, pages
+
+
 def plan_memory(
     variant: Variant,
     config: EngineConfig,
@@ -209,9 +244,10 @@ def plan_memory(
     lane_slots = backend.slots_per_sequence * n
     image_tokens = config.max_image_tokens if variant.vision is not None else 0
     working = working_space(config, device, image_tokens)
+    host_slots, host_pages = host_tier(config, slot_bytes, page_bytes)
     common = dict(
         page_size=page, page_bytes=page_bytes, lane_slots=lane_slots, slot_bytes=slot_bytes,
-        max_concurrency=n, extra_tokens=backend.extra_tokens,
+        max_concurrency=n, extra_tokens=backend.extra_tokens, host_slots=host_slots, host_pages=host_pages,
     )  # fmt: skip
 
     def need(context: int) -> int:  # pages of one request at ``context`` positions (a verify's extra too)

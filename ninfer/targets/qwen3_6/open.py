@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 from typing import Any
 
 import torch
@@ -96,6 +97,19 @@ def open_artifact(
     return OpenedTarget(program, frontend, package.name, loaded.report)
 
 
+# the host tier may take at most this share of the machine's physical memory (pinned memory cannot be
+# swapped out: more would starve the process and the others beside it)
+HOST_TIER_SHARE = 0.8
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of the machine (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def build_program(
     variant: Variant, view: ModelView, config: EngineConfig, max_context: int | None, device: torch.device,
     dtype: torch.dtype,
@@ -112,6 +126,13 @@ def build_program(
         variant, config, backend, device=device, dtype=dtype, max_context=max_context, free_bytes=free,
         total_bytes=total,
     )  # fmt: skip
+    host_memory = physical_memory()
+    if plan.host_bytes and host_memory and plan.host_bytes > HOST_TIER_SHARE * host_memory:
+        raise ValueError(
+            f"the host tier (--host-cache-gb {config.host_cache_gb:g}) takes "
+            f"{plan.host_bytes / 2**30:.1f} GiB of host memory, more than {HOST_TIER_SHARE:g} of the "
+            f"machine's {host_memory / 2**30:.1f} GiB; lower --host-cache-gb"
+        )
     shorter = plan.context_from == "fits"
     log.log(logging.WARNING if shorter else logging.INFO, "memory plan: %s", plan.describe())
     program_config = ProgramConfig(
@@ -120,6 +141,8 @@ def build_program(
         page_size=config.page_size,
         kv_pages=plan.kv_pages,
         checkpoint_slots=plan.checkpoint_slots,
+        host_checkpoint_slots=plan.host_slots,
+        host_kv_pages=plan.host_pages,
         device=device,
         dtype=dtype,
         cuda_graphs=config.cuda_graphs,

@@ -63,6 +63,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends import DecodeBackend, RowCommi
 from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
 from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, forced_logprobs
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
+from ninfer.targets.qwen3_6.impl.runtime.host_tier import HostTier
 from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_images
 from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
@@ -91,6 +92,8 @@ class ProgramConfig:
     checkpoint_slots: int = (
         0  # state slots for published checkpoints (the context cache), on top of the lanes'
     )
+    host_checkpoint_slots: int = 0  # state slots of the host tier (0: no host tier)
+    host_kv_pages: int = 0  # KV pages of the host tier (0: no host tier)
     memory: MemoryPlan | None = None  # how build_program sized the pools (None: given directly, tests)
 
 
@@ -124,6 +127,8 @@ class Qwen36Program:
             checkpoint_slots=config.checkpoint_slots,
             slot_bytes=StateStore.slot_bytes(variant, config.dtype),
             page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype, self.backend.kv_layers),
+            host_slots=config.host_checkpoint_slots,
+            host_pages=config.host_kv_pages,
         )
         self.store = StateStore.allocate(
             variant, self.book.slots.size, config.kv_pages, config.page_size, config.dtype, config.device
@@ -135,6 +140,14 @@ class Qwen36Program:
             if layers
             else None
         )
+        # offloaded checkpoints' bytes (pinned on CUDA), only when the book has a host tier
+        book = self.book
+        self.host_tier = (
+            HostTier(self.store, self.backend_kv, book.host_slots.size, book.host_pages.size, config.device)
+            if book.host_slots.size
+            else None
+        )
+        self._transfers_done: torch.cuda.Event | None = None  # the open transaction's tier copies
         # block tables are resources built once: one row per sequence index, written at materialization
         self._block_tables = torch.zeros(
             n, self.book.max_pages_per_sequence, dtype=torch.int32, device=config.device
@@ -223,11 +236,20 @@ class Qwen36Program:
     def start(self, plan: ResourcePlan) -> RunningTransaction:
         txn, copies = self.book.start(plan)
         self._copy(copies)  # queued on the stream ahead of the sequence's first unit
+        if copies.transfers and self.config.device.type == "cuda":
+            self._transfers_done = torch.cuda.Event()
+            self._transfers_done.record()
         return txn
 
     def poll(self, txn: RunningTransaction) -> bool:
+        """Device copies are ordered ahead of the sequence's units, so only the host tier's transfers
+        (an offload or a restore of the plan) are waited for."""
         self.book.claim(txn)
-        return True  # root-source materialization has no copies to wait for
+        done = self._transfers_done
+        if done is None or done.query():
+            self._transfers_done = None
+            return True
+        return False
 
     def finish(self, txn: RunningTransaction) -> ResourceResult:
         claim = self.book.claim(txn)
@@ -255,9 +277,11 @@ class Qwen36Program:
         self.sampler.start(seq)
         result = self.book.finish(txn)
         self._sequences[index] = seq
+        self._transfers_done = None
         return result
 
     def abort(self, txn: RunningTransaction) -> ResourceResult:
+        self._transfers_done = None  # the copies stay queued ahead of any later unit
         return self.book.abort(txn)
 
     def release(self, handle: SequenceHandle) -> ResourceResult:
@@ -306,9 +330,14 @@ class Qwen36Program:
         return prefix_digests(tokens, [seq.frontier], seq.media, self.prefix_salt).get(seq.frontier)
 
     def _copy(self, copies: Copies) -> None:
-        """A transition's device copies: a state slot (recurrent and conv), a KV page (every layer)."""
+        """A transition's copies: the moves between the tiers first (`Copies`), then the device copies: a
+        state slot (recurrent and conv), a KV page (every layer)."""
         store = self.store
         with torch.inference_mode():
+            if copies.transfers:
+                if self.host_tier is None:
+                    raise ProgramInvariantError("a tier transfer without a host tier")
+                self.host_tier.run(copies.transfers)
             if copies.state is not None:
                 src, dst = copies.state
                 store.conv[:, dst].copy_(store.conv[:, src])
