@@ -17,9 +17,14 @@
 # through the context cache, 2,048 new tokens a turn; MT_TIMEOUT, MT_ARGS), image27/35 (the vision tower and
 # one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS), context27/35 (the long-context decode at
 # 32k/128k/256k, B=1 and 8, each context's rows sharing one prefilled prompt, and a 128k prefill; CTX_TIMEOUT,
-# CTX_ARGS: extra flags, later ones win, e.g. --context 262144 --batch 1,4).
+# CTX_ARGS: extra flags, later ones win, e.g. --context 262144 --batch 1,4), serve27/35 (`ninfer serve --synthetic`
+# on loopback under `ninfer bench --server` at 1, 4, 8 streams, then the same workload through the Engine
+# in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
+# SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
+# runs, e.g. --kernels reference or --prefix-cache on).
 # Each call is cut at 10 minutes: put the step that must finish first.
-# Carry .whl (fla-core); the image lacks it. Never installs anything but the carried wheels.
+# Carry .whl (tools/device_wheels.sh: fla-core, llguidance and the server's fastapi/uvicorn/pydantic/orjson
+# stack); the image lacks them. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,6 +36,42 @@ fi
 mkdir -p /tmp/alias && ln -sfn "$PWD/tools" /tmp/alias/ninfer_tools
 export PYTHONPATH=$PWD:/tmp/alias:$PYTHONPATH FLA_FLASH_QLA=0
 BENCH="python3 -m ninfer bench --json"
+
+# serve_step PACKAGE TAG: `ninfer serve --synthetic PACKAGE` in the background on loopback, /ready waited for
+# (bounded), the load client at each concurrency, the server stopped (SIGTERM, then SIGKILL), then the same
+# workload through an in-process Engine of the same settings; the comparison to $OUT/TAG.json (the two
+# reports alone, as TAG_http.json / TAG_engine.json, when it cannot be made).
+serve_step() {
+  local pkg=$1 tag=$2 port=${SERVE_PORT:-8321} prompt=${SERVE_PROMPT:-1024} tokens=${SERVE_TOKENS:-128}
+  local work="--concurrency ${SERVE_CONCURRENCY:-1,4,8} --prompt-tokens $prompt --max-tokens $tokens --requests ${SERVE_REQUESTS:-4}"
+  python3 -c 'import fastapi, uvicorn, pydantic, orjson, llguidance; from importlib.metadata import version as v; print(*(f"{n} {v(n)}" for n in ("fastapi", "starlette", "uvicorn", "pydantic", "anyio", "h11", "typing_extensions")))' \
+    || { echo "the server's packages are missing: carry .whl (bash tools/device_wheels.sh)"; return 1; }
+  python3 -m ninfer serve --synthetic "$pkg" --port "$port" --max-concurrency 8 --max-context $((prompt + tokens)) \
+    --prefix-cache off ${SERVE_ARGS:-} > "/tmp/$tag.server.log" 2>&1 &
+  local pid=$! ready=0 rc=0
+  for _ in $(seq 1 "${SERVE_READY_S:-300}"); do
+    kill -0 $pid 2>/dev/null || break
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" 2>/dev/null; then ready=1; break; fi
+    sleep 1
+  done
+  if [ $ready = 1 ]; then
+    timeout "${SERVE_TIMEOUT:-240}" $BENCH --server "http://127.0.0.1:$port" $work > "/tmp/$tag.http.json" || rc=$?
+  else
+    echo "the server was not ready within ${SERVE_READY_S:-300} s"; rc=1
+  fi
+  kill -TERM $pid 2>/dev/null
+  for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -KILL $pid 2>/dev/null; wait $pid 2>/dev/null
+  echo "--- server log (tail)"; tail -n 40 "/tmp/$tag.server.log"; echo "---"
+  [ $rc = 0 ] || return $rc
+  timeout "${SERVE_TIMEOUT:-240}" $BENCH --synthetic "$pkg" $work ${SERVE_ARGS:-} > "/tmp/$tag.engine.json" || rc=$?
+  if [ $rc = 0 ] && python3 -m ninfer.bench.serving compare "/tmp/$tag.engine.json" "/tmp/$tag.http.json" > "$OUT/$tag.json"; then
+    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['gateway']]" "$OUT/$tag.json"
+  else
+    cp "/tmp/$tag.http.json" "$OUT/${tag}_http.json"; [ -s "/tmp/$tag.engine.json" ] && cp "/tmp/$tag.engine.json" "$OUT/${tag}_engine.json"
+    return 1
+  fi
+}
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
@@ -95,6 +136,8 @@ for step in "$@"; do
     image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35.json" ;;
     context27) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_27b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context27.json" ;;
     context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35.json" ;;
+    serve27) serve_step qwen3_6_27b serve27 ;;
+    serve35) serve_step qwen3_6_35b_a3b serve35 ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from ninfer.cli.bench_serving import add_serving_flags, run_serving, serving_mode
 from ninfer.cli.common import (
     add_kernels_flag,
     add_lookahead_flag,
@@ -217,6 +218,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_serving_flags(p)
     p.set_defaults(func=run)
 
 
@@ -322,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.targets.registry import PackageMismatch, get_package
     from ninfer.types import NInferError
 
+    if serving_mode(args):  # the serving workload (ninfer/cli/bench_serving.py)
+        return run_serving(args)
     if args.artifact is not None and args.synthetic is not None:
         return fail("give an ARTIFACT or --synthetic PACKAGE, not both")
     problem = mode_problem(args)
