@@ -45,6 +45,7 @@ class CatalogEntry:
     hits: int = 0
     tier: CheckpointTier = "device"  # where the last result that placed it put it
     nbytes: int = -1  # bytes only it holds in its tier, as the last placement said (-1: as published)
+    publisher_session: str | None = None  # the session of the request that published it (shared ones too)
 
     @property
     def held_bytes(self) -> int:
@@ -183,7 +184,10 @@ class ContextCache:
             self._clock += 1
             order = record.publication_order if record is not None else 0
             session = record.session_id if record is not None and private else None
-            self.entries[entry.checkpoint_id] = CatalogEntry(entry, session, order, self._clock)
+            publisher = record.session_id if record is not None else None
+            self.entries[entry.checkpoint_id] = CatalogEntry(
+                entry, session, order, self._clock, publisher_session=publisher
+            )
             if session is None:
                 self._shared.setdefault(entry.frontier_tokens, {})[entry.prefix_digest] = entry.checkpoint_id
             if record is not None and record.session_id is not None:
@@ -229,7 +233,13 @@ class ContextCache:
                 self._shared.pop(cached.entry.frontier_tokens, None)
         for session, (bound, _) in list(self.sessions.items()):
             if bound == checkpoint_id:
+                # the session's latest continuation is gone: its latest live one takes its place, so a
+                # turn its session overtook cannot bind over a later turn's surviving checkpoint
                 del self.sessions[session]
+                live = [c for c in self.entries.values() if c.publisher_session == session]
+                if live:
+                    latest = max(live, key=lambda c: (c.publication_order, c.last_used))
+                    self.sessions[session] = (latest.checkpoint_id, latest.publication_order)
 
     def all_ids(self) -> Sequence[int]:
         return list(self.entries)
