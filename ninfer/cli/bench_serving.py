@@ -22,7 +22,7 @@ WORKLOAD_FLAGS = {
 CLIENT_FLAGS = WORKLOAD_FLAGS | {"api_key"}
 ENGINE_FLAGS = WORKLOAD_FLAGS | {
     "artifact", "synthetic", "device", "dtype", "no_cuda_graphs", "no_decode_lookahead", "kernels",
-    "gpu_memory_fraction", "prefill_chunk", "speculative", "prefix_cache", "cache_memory_gb",
+    "gpu_memory_fraction", "prefill_chunk", "speculative", "draft_vocab", "prefix_cache", "cache_memory_gb",
 }  # fmt: skip
 NOT_FLAGS = {"func", "command", "debug"}
 
@@ -177,6 +177,7 @@ def _engine_options(args: argparse.Namespace, plan: object) -> object:
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         speculative=args.speculative,
+        draft_vocab=args.draft_vocab,
         seed=args.seed,
         prefix_cache=args.prefix_cache == "on",
         cache_memory_gb=args.cache_memory_gb,

@@ -99,11 +99,9 @@ class MtpDraft(VerifyRound):
         device, dtype = executor.view.text.embed.device, executor.view.text.embed.dtype
         self._outputs = torch.zeros(sequences, self.tokens_per_step, hidden, dtype=dtype, device=device)
         if executor.graphs is not None:  # the verify runs in graphs: so does the MTP work after it
-            self._capture(executor, sequences, hidden, device, dtype)
+            self._capture(executor, hidden, device, dtype)
 
-    def _capture(
-        self, executor: StepExecutor, sequences: int, hidden: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def _capture(self, executor: StepExecutor, hidden: int, device: torch.device, dtype: torch.dtype) -> None:
         """One graph of `_round` per B, at Program construction (before any sequence: the placeholder rows
         write MTP KV at page 0 and outputs at sequence index 0, which nothing depends on yet). A pool of
         its own: the verify graph's outputs, which the round reads, live in the step graphs' pool."""
