@@ -22,7 +22,8 @@ from ninfer.cli.common import (
     add_kernels_flag,
     add_lookahead_flag,
     add_memory_flag,
-    decode_lookahead,
+    bench_options,
+    comma_ints,
     fail,
     positive_int,
     split_artifact,
@@ -41,10 +42,7 @@ DEFAULT_IMAGE_REPEATS = 5
 
 def batch_list(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` -> (1, 2, 4, 8): distinct, ascending, each 1..MAX_CONCURRENCY_LIMIT."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = sorted(set(comma_ints(text)))
     if not values or not all(1 <= v <= MAX_CONCURRENCY_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"batch sizes must be 1..{MAX_CONCURRENCY_LIMIT}, got {text!r}")
     return tuple(values)
@@ -53,10 +51,7 @@ def batch_list(text: str) -> tuple[int, ...]:
 def context_list(text: str) -> tuple[int, ...]:
     """``"32768,131072"`` -> (32768, 131072): distinct, ascending, each >= 1 (the model's limit is checked
     once the package is known)."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = sorted(set(comma_ints(text)))
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"contexts must be >= 1, got {text!r}")
     return tuple(values)
@@ -319,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.artifact.errors import ArtifactError
     from ninfer.bench.drive import BenchError, BenchPlan
     from ninfer.bench.report import render_table
-    from ninfer.bench.runner import BenchOptions, run_bench
+    from ninfer.bench.runner import run_bench
     from ninfer.targets.open import artifact_package, prefill_unit, resolve_device
     from ninfer.targets.registry import PackageMismatch, get_package
     from ninfer.types import NInferError
@@ -360,23 +355,7 @@ def run(args: argparse.Namespace) -> int:
                 _prefill_output_tokens(args, prefill_tokens, positions) if standard else None
             ),
         )
-        options = BenchOptions(
-            plan=plan,
-            artifact=artifact,
-            synthetic=args.synthetic,
-            device=args.device,
-            dtype=args.dtype,
-            cuda_graphs=not args.no_cuda_graphs,
-            decode_lookahead=decode_lookahead(args),
-            kernels=args.kernels,
-            speculative=args.speculative,
-            draft_vocab=args.draft_vocab,
-            seed=args.seed,
-            prefix_cache=multi or args.prefix_cache == "on",
-            cache_memory_gb=args.cache_memory_gb,
-            host_cache_gb=args.host_cache_gb or 0.0,
-            gpu_memory_fraction=args.gpu_memory_fraction,
-        )
+        options = bench_options(args, plan, artifact, prefix_cache=multi or args.prefix_cache == "on")
         log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731
         if multi:
             from ninfer.bench.multiturn import MultiTurnPlan, render_multi_turn, run_multi_turn

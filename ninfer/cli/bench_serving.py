@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ninfer.cli.common import decode_lookahead, fail, positive_int
+from ninfer.cli.common import comma_ints, fail, positive_int
 
 API_KEY_ENV = "NINFER_API_KEY"  # the variable `ninfer serve` reads its key from
 DEFAULT_CONCURRENCY = (1, 4, 8)
@@ -29,10 +29,7 @@ NOT_FLAGS = {"func", "command", "debug"}
 
 def concurrency_list(text: str) -> tuple[int, ...]:
     """``"1,4,8"`` -> (1, 4, 8): positive integers, in the order given (one level each), no repeats."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = tuple(comma_ints(text))
     if not values or min(values) < 1 or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected distinct integers >= 1, got {text!r}")
     return values
@@ -145,8 +142,7 @@ def run_serving(args: argparse.Namespace) -> int:
 def _engine_options(args: argparse.Namespace, plan: object) -> object:
     """`BenchOptions` for the in-process run: the bench's Engine flags, one request shape."""
     from ninfer.bench.drive import BenchPlan
-    from ninfer.bench.runner import BenchOptions
-    from ninfer.cli.common import split_artifact
+    from ninfer.cli.common import bench_options, split_artifact
     from ninfer.targets.open import prefill_unit, resolve_device
     from ninfer.types import MAX_CONCURRENCY_LIMIT
 
@@ -167,19 +163,4 @@ def _engine_options(args: argparse.Namespace, plan: object) -> object:
         prefill_repeats=1,
         prefill_chunk=prefill_unit(args.prefill_chunk, resolve_device(args.device), args.kernels),
     )
-    return BenchOptions(
-        plan=bench_plan,
-        artifact=artifact,
-        synthetic=args.synthetic,
-        device=args.device,
-        dtype=args.dtype,
-        cuda_graphs=not args.no_cuda_graphs,
-        decode_lookahead=decode_lookahead(args),
-        kernels=args.kernels,
-        speculative=args.speculative,
-        draft_vocab=args.draft_vocab,
-        seed=args.seed,
-        prefix_cache=args.prefix_cache == "on",
-        cache_memory_gb=args.cache_memory_gb,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-    )
+    return bench_options(args, bench_plan, artifact, prefix_cache=args.prefix_cache == "on")

@@ -79,6 +79,30 @@ def decode_lookahead(args: argparse.Namespace) -> bool | None:
     return False if args.no_decode_lookahead else None
 
 
+def bench_options(args: argparse.Namespace, plan: Any, artifact: str | None, *, prefix_cache: bool) -> Any:
+    """`ninfer.bench.runner.BenchOptions` from the bench's Engine flags, for ``plan`` (every bench mode
+    that starts an Engine in-process)."""
+    from ninfer.bench.runner import BenchOptions
+
+    return BenchOptions(
+        plan=plan,
+        artifact=artifact,
+        synthetic=args.synthetic,
+        device=args.device,
+        dtype=args.dtype,
+        cuda_graphs=not args.no_cuda_graphs,
+        decode_lookahead=decode_lookahead(args),
+        kernels=args.kernels,
+        speculative=args.speculative,
+        draft_vocab=args.draft_vocab,
+        seed=args.seed,
+        prefix_cache=prefix_cache,
+        cache_memory_gb=args.cache_memory_gb,
+        host_cache_gb=args.host_cache_gb or 0.0,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+    )
+
+
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernels",
@@ -156,6 +180,14 @@ def cache_memory_gb(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}")
     return value
+
+
+def comma_ints(text: str) -> list[int]:
+    """An argparse helper: ``"1,4,8"`` -> [1, 4, 8] in the order given (empty parts skipped)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def positive_int(text: str) -> int:
