@@ -22,12 +22,20 @@
 # in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
 # SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
 # runs, e.g. --kernels reference or --prefix-cache on).
-# Each call is cut at 10 minutes: put the step that must finish first.
+# mtpsweep27/35 (`--speculative mtp:K` for each K of SWEEP_KS at SWEEP_BATCH, one JSON per K, K = 0 the plain step; SWEEP_ARGS, e.g.
+# --draft-vocab 32768, and SWEEP_TAG name the JSONs), knownsweep27/35 (`--speculative known:K@TAU` for each
+# K@TAU of KNOWN at B = 1: the per-stream speed at published acceptance).
+# Each call is cut at 10 minutes: put the step that must finish first. The device returns at most 8 files:
+# every step's log and JSON go to a work folder, packed after each step into $OUT/results.tgz (what a cut
+# call finished comes back). TRITON_CACHE_DIR defaults to the ignored .tcache/, which a warm machine keeps
+# between calls, so a second call on it compiles nothing twice.
 # Carry .whl (tools/device_wheels.sh: fla-core, llguidance and the server's fastapi/uvicorn/pydantic/orjson
 # stack); the image lacks them. Never installs anything but the carried wheels.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# invocations of one device call (one $OUT) share the work folder and the pack
+RESULTS=${OUT:-/tmp/out}; OUT=/tmp/gpu_session.$(echo "$RESULTS" | md5sum | cut -c1-12); mkdir -p "$RESULTS" "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache/triton}; mkdir -p "$TRITON_CACHE_DIR"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -36,6 +44,10 @@ fi
 mkdir -p /tmp/alias && ln -sfn "$PWD/tools" /tmp/alias/ninfer_tools
 export PYTHONPATH=$PWD:/tmp/alias:$PYTHONPATH FLA_FLASH_QLA=0
 BENCH="python3 -m ninfer bench --json"
+pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" . 2>/dev/null && mv "$RESULTS/results.tgz.tmp" "$RESULTS/results.tgz"; }
+# a step cut by the call's limit still sends back its log as of the last few seconds
+( while sleep 10; do pack; done ) &
+PACKER=$!; trap 'kill $PACKER 2>/dev/null' EXIT
 
 # serve_step PACKAGE TAG: `ninfer serve --synthetic PACKAGE` in the background on loopback, /ready waited for
 # (bounded), the load client at each concurrency, the server stopped (SIGTERM, then SIGKILL), then the same
@@ -136,10 +148,23 @@ for step in "$@"; do
     image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35.json" ;;
     context27) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_27b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context27.json" ;;
     context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35.json" ;;
+    mtpsweep27|mtpsweep35|knownsweep27|knownsweep35)
+        pkg=qwen3_6_27b; [ "${step: -2}" = 35 ] && pkg=qwen3_6_35b_a3b
+        if [ "${step:0:3}" = mtp ]; then specs=${SWEEP_KS:-1 2 3 4}; else specs=${KNOWN:-1@1.9 2@2.4 3@2.8}; fi
+        for k in $specs; do
+          if [ "${step:0:3}" = mtp ]; then spec="--speculative mtp:$k"; batch=${SWEEP_BATCH:-1,2,4,8}; extra=${SWEEP_ARGS:-}
+          else spec="--speculative known:$k"; batch=1; extra=; fi
+          [ "$k" = 0 ] && { spec=; extra=; }  # K = 0: the plain step, same settings
+          echo "-- ${spec:-plain}"
+          timeout ${SWEEP_TIMEOUT:-150} $BENCH --synthetic $pkg --batch $batch --decode-steps 16 --prefill-tokens 1024 \
+            --prefill-repeats 1 $spec $extra > "$OUT/${step}${SWEEP_TAG:-}_${k/@/_}.json" \
+            && python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print([(d["batch"], d["ms_step"], d["tok_s"]) for d in r.get("decode", [])])' "$OUT/${step}${SWEEP_TAG:-}_${k/@/_}.json"
+        done ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?
   echo "== $step rc=$rc $(( $(date +%s) - t0 ))s :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
+  pack
 done

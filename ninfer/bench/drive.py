@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ninfer.runtime.engine.engine import Engine, EngineCapacity, GenerationHandle
+from ninfer.runtime.engine.prefill_pacer import GRANULE
 from ninfer.types import GenerationDelta, GenerationRequest, GenerationResult, GenerationStart
 
 DECODE = "decode"
@@ -32,6 +33,9 @@ PREFILL = "prefill"
 # decode rounds a request may run beyond the bound below before all B are decode-ready (a request can
 # also decode while the caller is still submitting the next one)
 ROUND_SLACK = 8
+# the smallest prefill unit while other rows decode (the Engine's prefill pacer may cut a prompt into
+# units this small, each followed by a decode round)
+PACED_UNIT_MIN = GRANULE
 POLL_S = 0.005  # how often the caller looks at its handles while the worker runs decode rounds
 
 Mark = tuple[float, str, int]  # (perf_counter at unit start, unit kind, rows)
@@ -87,9 +91,11 @@ class BenchPlan:
     def decode_max_tokens(self, batch: int, row_prefill: int | None = None) -> int:
         """Output budget of each request at ``batch``: the first token (from prefill), ``decode_steps + 1``
         full rounds, and the rounds the first request may run while the other ``batch - 1`` prefill (one
-        after each of their prompt chunks), plus slack. ``row_prefill``: prompt tokens each row prefills
-        (default ``context``; fewer when it continues a checkpoint)."""
-        chunks = math.ceil((self.context if row_prefill is None else row_prefill) / self.prefill_chunk)
+        after each of their prompt units, as small as the prefill pacer may cut them), plus slack.
+        ``row_prefill``: prompt tokens each row prefills (default ``context``; fewer when it continues a
+        checkpoint). A bound, not a target: `EngineDriver.run_rows` stops the rows once it has its rounds."""
+        unit = min(self.prefill_chunk, PACED_UNIT_MIN)
+        chunks = math.ceil((self.context if row_prefill is None else row_prefill) / unit)
         rounds = (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
         return 1 + rounds * self.tokens_per_round
 
@@ -123,14 +129,18 @@ class PrefillSample:
     tpot_s: float  # caller: (last delta - first delta) / (tokens - 1)
 
 
-def full_round_intervals(marks: Sequence[Mark], rows: int, count: int) -> list[float]:
-    """The first ``count`` durations of decode rounds of exactly ``rows`` rows, each measured to the start
-    of the directly following round of ``rows`` rows. Raises BenchError when there are fewer."""
-    out = [
+def _round_intervals(marks: Sequence[Mark], rows: int) -> list[float]:
+    return [
         b[0] - a[0]
         for a, b in zip(marks, marks[1:])
         if a[1] == DECODE and b[1] == DECODE and a[2] == rows and b[2] == rows
     ]
+
+
+def full_round_intervals(marks: Sequence[Mark], rows: int, count: int) -> list[float]:
+    """The first ``count`` durations of decode rounds of exactly ``rows`` rows, each measured to the start
+    of the directly following round of ``rows`` rows. Raises BenchError when there are fewer."""
+    out = _round_intervals(marks, rows)
     if len(out) < count:
         raise BenchError(
             f"only {len(out)} consecutive decode rounds of {rows} rows were observed, {count} needed"
@@ -179,6 +189,14 @@ def _finished(handle: GenerationHandle, expected_tokens: int) -> GenerationResul
     return result
 
 
+def _ended(handle: GenerationHandle, budget: int) -> GenerationResult:
+    """A decode-measurement row's result: its whole budget, or cancelled by the driver."""
+    result = handle.result(raise_on_error=False)
+    if result.finish_reason == "cancelled":
+        return result
+    return _finished(handle, budget)
+
+
 class EngineDriver:
     """Runs the bench's requests on one Engine whose worker has a `UnitTimeline` installed."""
 
@@ -225,7 +243,8 @@ class EngineDriver:
 
     def run_rows(self, requests: Sequence[GenerationRequest]) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """Submit ``requests`` together; the first ``decode_steps`` rounds of all of them, and each one's
-        reused prompt tokens (``Usage.reused_prefix_tokens``)."""
+        reused prompt tokens (``Usage.reused_prefix_tokens``). Rows still running once those rounds are
+        observed are cancelled (their budget is a bound: `BenchPlan.decode_max_tokens`)."""
         batch = len(requests)
         limit = self.engine.config.max_concurrency
         if batch > limit:
@@ -234,9 +253,15 @@ class EngineDriver:
         handles = [self.engine.submit(r) for r in requests]
         try:
             # poll instead of blocking on the event queues: a blocked consumer would wake on every token
+            stopped = False
             while not all(h.done for h in handles):
+                seen = len(_round_intervals(self.timeline.marks[first:], batch))
+                if not stopped and seen >= self.plan.decode_steps:
+                    for handle in handles:
+                        handle.cancel()
+                    stopped = True
                 time.sleep(POLL_S)
-            results = [_finished(h, r.max_tokens or 0) for h, r in zip(handles, requests)]
+            results = [_ended(h, r.max_tokens or 0) for h, r in zip(handles, requests)]
         finally:
             for handle in handles:
                 handle.close()

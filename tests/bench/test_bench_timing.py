@@ -3,15 +3,18 @@ prompt ids, and the device probes on CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ninfer import Engine, EngineConfig
 from ninfer.bench.drive import (
     ROUND_SLACK,
     BenchError,
     BenchPlan,
+    EngineDriver,
     PromptSource,
     full_round_intervals,
     prefill_span,
@@ -53,11 +56,16 @@ def test_prefill_span_runs_to_the_unit_after_the_last_chunk() -> None:
 
 def test_plan_budgets_cover_the_rounds_before_all_rows_are_ready() -> None:
     plan = BenchPlan(
-        batches=(1, 8), context=2048, decode_steps=64, prefill_tokens=8192, prefill_repeats=3,
+        batches=(1, 8),
+        context=2048,
+        decode_steps=64,
+        prefill_tokens=8192,
+        prefill_repeats=3,
         prefill_chunk=1000,
     )
-    # first token + 65 full rounds + one round after each of the other 7 prompts' 3 chunks + slack
-    assert plan.decode_max_tokens(8) == 1 + 65 + 7 * 3 + ROUND_SLACK
+    # first token + 65 full rounds + one round after each of the other 7 prompts' units, each as small as
+    # the prefill pacer may cut them (2048 / 64 = 32), + slack
+    assert plan.decode_max_tokens(8) == 1 + 65 + 7 * 32 + ROUND_SLACK
     assert plan.decode_max_tokens(1) == 1 + 65 + ROUND_SLACK
     assert plan.max_context == max(2048 + plan.decode_max_tokens(8), 8192 + 65)
     ones = dict(context=1, prefill_tokens=1, prefill_repeats=1, prefill_chunk=1)
@@ -65,6 +73,27 @@ def test_plan_budgets_cover_the_rounds_before_all_rows_are_ready() -> None:
         BenchPlan(batches=(0,), decode_steps=1, **ones)
     with pytest.raises(ValueError):
         BenchPlan(batches=(1,), decode_steps=0, **ones)
+
+
+def test_decode_rows_get_their_rounds_when_the_pacer_cuts_prompts_small(tiny_artifact: Path) -> None:
+    """The prefill pacer cuts each later row's prompt into units (here its first guess, 512 tokens; down to
+    64), a decode round after each: the first row must not run out of budget before all four decode, and
+    the driver stops the rows (cancels them) once it has its full rounds instead of running out every
+    budget."""
+    config = EngineConfig(
+        max_concurrency=4, max_context=4096, max_decode_gap_ms=0.001, prefill_chunk_tokens=2048
+    )
+    plan = BenchPlan(
+        batches=(4,), context=2048, decode_steps=4, prefill_tokens=64, prefill_repeats=1, prefill_chunk=2048
+    )
+    with Engine(tiny_artifact, config) as engine:
+        driver = EngineDriver(engine, plan, PromptSource(200, seed=1))
+        sample = driver.decode_at(4)
+        units = [m for m in driver.timeline.marks if m[1] == "prefill"]
+    assert len(sample.step_s) == 4 and min(sample.step_s) > 0
+    assert len(units) >= 1 + 3 * 2048 // 512  # the pacer did cut the later rows' prompts
+    decoded = sum(1 for m in driver.timeline.marks if m[1] == "decode")
+    assert decoded < 4 * plan.decode_max_tokens(4)  # stopped early, not run to the budgets
 
 
 def test_prompts_are_exact_length_ordinary_and_distinct() -> None:
