@@ -21,7 +21,7 @@
 # on loopback under `ninfer bench --server` at 1, 4, 8 streams, then the same workload through the Engine
 # in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
 # SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
-# runs, e.g. --kernels reference or --prefix-cache on).
+# runs, e.g. --kernels reference or --prefix-cache on); serveengine27: the in-process half alone.
 # mtpsweep27/35 (`--speculative mtp:K` for each K of SWEEP_KS at SWEEP_BATCH, one JSON per K, K = 0 the plain step; SWEEP_ARGS, e.g.
 # --draft-vocab 32768, and SWEEP_TAG name the JSONs), knownsweep27/35 (`--speculative known:K@TAU` for each
 # K@TAU of KNOWN at B = 1: the per-stream speed at published acceptance).
@@ -161,6 +161,8 @@ for step in "$@"; do
             && python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print([(d["batch"], d["ms_step"], d["tok_s"]) for d in r.get("decode", [])])' "$OUT/${step}${SWEEP_TAG:-}_${k/@/_}.json"
         done ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
+    serveengine27) timeout ${SERVE_TIMEOUT:-240} $BENCH --synthetic qwen3_6_27b --concurrency ${SERVE_CONCURRENCY:-1,4,8} \
+        --prompt-tokens ${SERVE_PROMPT:-1024} --max-tokens ${SERVE_TOKENS:-128} --requests ${SERVE_REQUESTS:-4} ${SERVE_ARGS:-} > "$OUT/serveengine27.json" ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
