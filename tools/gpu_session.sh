@@ -22,9 +22,10 @@
 # in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
 # SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
 # runs, e.g. --kernels reference or --prefix-cache on); serveengine27: the in-process half alone.
-# mtpsweep27/35 (`--speculative mtp:K` for each K of SWEEP_KS at SWEEP_BATCH, one JSON per K, K = 0 the plain step; SWEEP_ARGS, e.g.
-# --draft-vocab 32768, and SWEEP_TAG name the JSONs), knownsweep27/35 (`--speculative known:K@TAU` for each
-# K@TAU of KNOWN at B = 1: the per-stream speed at published acceptance).
+# mtpsweep27/35 (`--speculative SWEEP_SPECS` at SWEEP_BATCH, default off,mtp:1,...,mtp:4: one bench process over
+# one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
+# knownsweep27/35 (the same with KNOWN, default known:1@1.9,known:2@2.4,known:3@2.8, at B = 1: the per-stream
+# speed at the published acceptance).
 # Each call is cut at 10 minutes: put the step that must finish first. The device returns at most 8 files:
 # every step's log and JSON go to a work folder, packed after each step into $OUT/results.tgz (what a cut
 # call finished comes back). TRITON_CACHE_DIR defaults to the ignored .tcache/, which a warm machine keeps
@@ -150,16 +151,12 @@ for step in "$@"; do
     context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35.json" ;;
     mtpsweep27|mtpsweep35|knownsweep27|knownsweep35)
         pkg=qwen3_6_27b; [ "${step: -2}" = 35 ] && pkg=qwen3_6_35b_a3b
-        if [ "${step:0:3}" = mtp ]; then specs=${SWEEP_KS:-1 2 3 4}; else specs=${KNOWN:-1@1.9 2@2.4 3@2.8}; fi
-        for k in $specs; do
-          if [ "${step:0:3}" = mtp ]; then spec="--speculative mtp:$k"; batch=${SWEEP_BATCH:-1,2,4,8}; extra=${SWEEP_ARGS:-}
-          else spec="--speculative known:$k"; batch=1; extra=; fi
-          [ "$k" = 0 ] && { spec=; extra=; }  # K = 0: the plain step, same settings
-          echo "-- ${spec:-plain}"
-          timeout ${SWEEP_TIMEOUT:-150} $BENCH --synthetic $pkg --batch $batch --decode-steps 16 --prefill-tokens 1024 \
-            --prefill-repeats 1 $spec $extra > "$OUT/${step}${SWEEP_TAG:-}_${k/@/_}.json" \
-            && python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print([(d["batch"], d["ms_step"], d["tok_s"]) for d in r.get("decode", [])])' "$OUT/${step}${SWEEP_TAG:-}_${k/@/_}.json"
-        done ;;
+        if [ "${step:0:3}" = mtp ]; then specs=${SWEEP_SPECS:-off,mtp:1,mtp:2,mtp:3,mtp:4}; batch=${SWEEP_BATCH:-1,2,4,8}; extra=${SWEEP_ARGS:-}
+        else specs=${KNOWN:-known:1@1.9,known:2@2.4,known:3@2.8}; batch=1; extra=; fi
+        # one process, one set of weights, an Engine per backend; a JSON line per backend as it finishes
+        timeout ${SWEEP_TIMEOUT:-400} $BENCH --synthetic $pkg --batch $batch --decode-steps 16 --prefill-tokens 1024 \
+          --prefill-repeats 1 --speculative $specs $extra | tee "$OUT/${step}${SWEEP_TAG:-}.jsonl" \
+          | python3 -c 'import json,sys; [print(r["settings"]["speculative"], [(d["batch"], d["ms_step"], d["tok_s"]) for d in r["decode"]], flush=True) for r in map(json.loads, sys.stdin)]' ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
     serveengine27) timeout ${SERVE_TIMEOUT:-240} $BENCH --synthetic qwen3_6_27b --concurrency ${SERVE_CONCURRENCY:-1,4,8} \
         --prompt-tokens ${SERVE_PROMPT:-1024} --max-tokens ${SERVE_TOKENS:-128} --requests ${SERVE_REQUESTS:-4} ${SERVE_ARGS:-} > "$OUT/serveengine27.json" ;;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 
@@ -15,7 +15,13 @@ from ninfer.bench.drive import BenchPlan, EngineDriver, Measurements, PromptSour
 from ninfer.bench.probes import DeviceProbe, probe_device
 from ninfer.bench.report import BenchReport, DecodeRow, LatencyRow, PrefillRow, RunHeader, git_commit
 from ninfer.bench.roofline import DECODE_ASSUMPTIONS, MOE_ASSUMPTION, decode_step_bytes, prefill_flops
-from ninfer.bench.startup import SYNTHETIC_STORAGE, StartedEngine, start_from_artifact, start_synthetic
+from ninfer.bench.startup import (
+    SYNTHETIC_STORAGE,
+    StartedEngine,
+    restart,
+    start_from_artifact,
+    start_synthetic,
+)
 from ninfer.targets.open import (
     artifact_package,
     resolve_device,
@@ -176,24 +182,65 @@ def run_header(started: StartedEngine, probe: DeviceProbe) -> RunHeader:
     )
 
 
+def tokens_per_round(speculative: str | None) -> int:
+    """The most tokens a row may produce per decode round (the plan's budgets must cover its rounds)."""
+    spec = parse_speculative(speculative)
+    return 1 if spec is None else spec.draft_tokens + 1
+
+
+def backend_options(options: BenchOptions, speculative: str | None) -> BenchOptions:
+    """``options`` for one decode backend (None: plain decoding, which takes no draft vocabulary)."""
+    plan = replace(options.plan, tokens_per_round=tokens_per_round(speculative))
+    draft_vocab = options.draft_vocab if speculative is not None and speculative.startswith("mtp") else None
+    return replace(options, plan=plan, speculative=speculative, draft_vocab=draft_vocab)
+
+
 def run_bench(options: BenchOptions, log: Callable[[str], None] = lambda _: None) -> BenchReport:
-    plan = options.plan
+    return run_bench_sweep(options, (options.speculative,), log)[0]
+
+
+def run_bench_sweep(
+    options: BenchOptions,
+    backends: Sequence[str | None],
+    log: Callable[[str], None] = lambda _: None,
+    finished: Callable[[BenchReport], None] = lambda _: None,
+) -> tuple[BenchReport, ...]:
+    """The suite once per decode backend in ``backends`` (``EngineConfig.speculative``; None: plain
+    decoding), over one set of weights: the device probes and the weights once, then an Engine per
+    backend (`ninfer.bench.startup.restart`: the same weights and Frontend, a new Program). ``finished``
+    gets each report as soon as it is made (a sweep cut short keeps what it measured)."""
+    if not backends:
+        raise ValueError("the sweep needs at least one decode backend")
     package, _ = options_package(options)
-    check_fits(plan, package.variant)
+    runs = [backend_options(options, b) for b in backends]
+    for run in runs:
+        check_fits(run.plan, package.variant)
     positions = package.variant.max_position_embeddings
-    long_plan = LongContextPlan.build(plan, positions) if plan.contexts else None
-    probe, started = probe_and_start(options, engine_config(options, long_plan), log)
+    prompts = PromptSource(first_special_id(package.variant.special), options.seed)
+    reports: list[BenchReport] = []
+    started: StartedEngine | None = None
     try:
-        prompts = PromptSource(first_special_id(package.variant.special), options.seed)
-        if long_plan is not None:
-            log(started.engine.capacity().describe())
-            driver = SharedPromptDriver(started.engine, plan, prompts)
-            measurements = measure_long_context(driver, long_plan, log)
-        else:
-            measurements = measure(EngineDriver(started.engine, plan, prompts), log)
+        for run in runs:
+            plan = run.plan
+            long_plan = LongContextPlan.build(plan, positions) if plan.contexts else None
+            config = engine_config(run, long_plan)
+            if started is None:
+                probe, started = probe_and_start(run, config, log)
+            else:
+                log(f"restarting the Engine with speculative={run.speculative}")
+                started = restart(started, config)
+            if long_plan is not None:
+                log(started.engine.capacity().describe())
+                driver = SharedPromptDriver(started.engine, plan, prompts)
+                measurements = measure_long_context(driver, long_plan, log)
+            else:
+                measurements = measure(EngineDriver(started.engine, plan, prompts), log)
+            reports.append(build_report(run, started, probe, measurements, long_plan))
+            finished(reports[-1])
     finally:
-        started.engine.close()
-    return build_report(options, started, probe, measurements, long_plan)
+        if started is not None and started.engine is not None:
+            started.engine.close()
+    return tuple(reports)
 
 
 def build_report(

@@ -130,10 +130,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_kernels_flag(p)
     p.add_argument(
         "--speculative",
-        metavar="SPEC",
+        metavar="SPEC[,SPEC...]",
+        type=speculative_list,
         default=None,
         help="decode backend: mtp:K, or known:K@TAU (a benchmark backend: K drafts a verify, TAU tokens "
-        "accepted per row on average, through the real verify and commit; output text is meaningless)",
+        "accepted per row on average, through the real verify and commit; output text is meaningless); "
+        "several, comma-separated (off: plain decoding), run the standard suite once each over one set "
+        "of weights, e.g. off,mtp:1,mtp:3",
     )
     p.add_argument(
         "--draft-vocab",
@@ -252,12 +255,19 @@ def is_long_context(contexts: tuple[int, ...]) -> bool:
     return len(contexts) > 1 or max(contexts) > SHARED_CONTEXT_ABOVE
 
 
-def _tokens_per_round(speculative: str | None) -> int:
-    """The most tokens a row may produce per decode round (the bench's budgets must cover its rounds)."""
+def speculative_list(text: str) -> tuple[str | None, ...]:
+    """``--speculative``: one decode backend or a comma-separated sweep of them (``off``: plain decoding);
+    ArgumentTypeError names a bad entry."""
     from ninfer.types import parse_speculative
 
-    spec = parse_speculative(speculative)
-    return 1 if spec is None else spec.draft_tokens + 1
+    out: list[str | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            out.append(None if item == "off" else (parse_speculative(item) and item))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(out)
 
 
 def mode_problem(args: argparse.Namespace) -> str | None:
@@ -313,8 +323,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ninfer.artifact.errors import ArtifactError
     from ninfer.bench.drive import BenchError, BenchPlan
-    from ninfer.bench.report import render_table
-    from ninfer.bench.runner import run_bench
+    from ninfer.bench.report import BenchReport, render_table
+    from ninfer.bench.runner import run_bench, run_bench_sweep
     from ninfer.targets.open import artifact_package, prefill_unit, resolve_device
     from ninfer.targets.registry import PackageMismatch, get_package
     from ninfer.types import NInferError
@@ -349,7 +359,6 @@ def run(args: argparse.Namespace) -> int:
             prefill_tokens=prefill_tokens,
             prefill_repeats=args.prefill_repeats,
             prefill_chunk=chunk,
-            tokens_per_round=_tokens_per_round(args.speculative),
             contexts=contexts,
             prefill_output_tokens=(
                 _prefill_output_tokens(args, prefill_tokens, positions) if standard else None
@@ -389,6 +398,19 @@ def run(args: argparse.Namespace) -> int:
             )
             report = run_image(options, image_plan, log=log)
             render = render_image
+        elif args.speculative is not None and len(args.speculative) > 1:
+            # one report per backend as it finishes (with --json: one JSON object per line)
+            def show(r: BenchReport) -> None:
+                speculative = r.settings["speculative"] or "off"
+                text = (
+                    json.dumps(r.to_json())
+                    if args.json
+                    else f"== speculative: {speculative}\n{render_table(r)}\n"
+                )
+                print(text, flush=True)
+
+            run_bench_sweep(options, args.speculative, log=log, finished=show)
+            return 0
         else:
             report = run_bench(options, log=log)
             render = render_table

@@ -106,6 +106,8 @@ def flag_problem(args: argparse.Namespace) -> str | None:
         return f"{_flag(dest)} is not used by the serving workload (--server / --concurrency)"
     if args.max_tokens < 2:
         return "--max-tokens must be >= 2 (TPOT needs two tokens)"
+    if args.speculative is not None and len(args.speculative) > 1:
+        return "--speculative takes one decode backend with the serving workload (a sweep: standard suite)"
     return None
 
 

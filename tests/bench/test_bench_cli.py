@@ -162,3 +162,44 @@ def test_standard_suite_runs_cold_unless_the_cache_is_asked_for(
     assert rc == 0, err
     on = json.loads(out)
     assert on["settings"]["prefix_cache"] is True and [r["batch"] for r in on["decode"]] == [1]
+
+
+def test_a_speculative_sweep_runs_each_backend_over_one_set_of_weights(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, err = run_cli(
+        capsys, "bench", "--synthetic", "qwen3_6_tiny", "--batch", "1,2", *TINY_SETTINGS,
+        "--speculative", "off,mtp:2,known:2@2.5", "--draft-vocab", "64", "--json",
+    )  # fmt: skip
+    assert rc == 0, err
+    reports = [json.loads(line) for line in out.splitlines()]  # one report per line, as each finishes
+    assert [r["settings"]["speculative"] for r in reports] == [None, "mtp:2", "known:2@2.5"]
+    assert [r["settings"]["draft_vocab"] for r in reports] == [None, 64, None]  # mtp's head only
+    assert [r["decode"][0]["tokens_per_round"] for r in reports] == [1.0, 1.0, 2.5]
+    assert [[d["batch"] for d in r["decode"]] for r in reports] == [[1, 2]] * 3
+    assert err.count("probing cpu memory bandwidth") == 1  # the probes and the weights once
+    assert err.count("restarting the Engine") == 2
+    assert "materialize" in reports[0]["startup_s"]
+    assert all("materialize" not in r["startup_s"] for r in reports[1:])
+    rc, out, err = run_cli(
+        capsys,
+        "bench",
+        "--synthetic",
+        "qwen3_6_tiny",
+        "--batch",
+        "1",
+        *TINY_SETTINGS,
+        "--speculative",
+        "off,mtp:1",
+    )
+    assert rc == 0, err
+    assert "== speculative: off" in out and "== speculative: mtp:1" in out
+
+
+def test_speculative_sweep_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("mtp:0", "off,mtp:x", "mtp:1,,"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--speculative", bad])
+        assert exit_info.value.code == 2
+    rc, _, err = run_cli(capsys, "bench", "--concurrency", "1", "--speculative", "off,mtp:1")
+    assert rc == 1 and "takes one decode backend" in err
