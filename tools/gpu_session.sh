@@ -18,9 +18,8 @@
 # one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS), context27/35 (the long-context decode at
 # 32k/128k/256k, B=1 and 8, each context's rows sharing one prefilled prompt, and a 128k prefill; CTX_TIMEOUT,
 # CTX_ARGS: extra flags, later ones win, e.g. --context 262144 --batch 1,4), serve27/35 (`ninfer serve --synthetic`
-# on loopback under `ninfer bench --server` at 1, 4, 8 streams, then the same workload through the Engine
-# in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
-# SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
+# on loopback under `ninfer bench --server` at 1, 4, 8 streams, after the same workload through the Engine
+# in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS, SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
 # runs, e.g. --kernels reference or --prefix-cache on); serveengine27: the in-process half alone.
 # mtpsweep27/35 (`--speculative SWEEP_SPECS` at SWEEP_BATCH, default off,mtp:1,...,mtp:4: one bench process over
 # one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
@@ -50,43 +49,44 @@ pack() { tar czf "$RESULTS/results.tgz.tmp" -C "$OUT" . 2>/dev/null && mv "$RESU
 ( while sleep 10; do pack; done ) &
 PACKER=$!; trap 'kill $PACKER 2>/dev/null' EXIT
 
-# serve_step PACKAGE TAG: `ninfer serve --synthetic PACKAGE` in the background on loopback, /ready waited for
-# (bounded), the load client at each concurrency, the server stopped (SIGTERM, then SIGKILL), then the same
-# workload through an in-process Engine of the same settings; the comparison to $OUT/TAG.json (the two
-# reports alone, as TAG_http.json / TAG_engine.json, when it cannot be made).
+# serve_step PACKAGE TAG: the workload through an in-process Engine (TAG_engine.json), then `ninfer serve
+# --synthetic PACKAGE` of the same settings in the background on loopback, /ready waited for (bounded), the
+# load client at each concurrency (TAG_http.json), the server stopped (SIGTERM, then SIGKILL; its log
+# TAG.server.log); the comparison to $OUT/TAG.json.
 serve_step() {
   local pkg=$1 tag=$2 port=${SERVE_PORT:-8321} prompt=${SERVE_PROMPT:-1024} tokens=${SERVE_TOKENS:-128}
   local work="--concurrency ${SERVE_CONCURRENCY:-1,4,8} --prompt-tokens $prompt --max-tokens $tokens --requests ${SERVE_REQUESTS:-4}"
   python3 -c 'import fastapi, uvicorn, pydantic, orjson, llguidance; from importlib.metadata import version as v; print(*(f"{n} {v(n)}" for n in ("fastapi", "starlette", "uvicorn", "pydantic", "anyio", "h11", "typing_extensions")))' \
     || { echo "the server's packages are missing: carry .whl (bash tools/device_wheels.sh)"; return 1; }
+  local rc=0 ready=0
+  # the in-process half first: its figures survive a slow or cut HTTP half
+  timeout "${SERVE_TIMEOUT:-240}" $BENCH --synthetic "$pkg" $work ${SERVE_ARGS:-} > "$OUT/${tag}_engine.json" || return $?
   python3 -m ninfer serve --synthetic "$pkg" --port "$port" --max-concurrency 8 --max-context $((prompt + tokens)) \
-    --prefix-cache off ${SERVE_ARGS:-} > "/tmp/$tag.server.log" 2>&1 &
-  local pid=$! ready=0 rc=0
+    --prefix-cache off ${SERVE_ARGS:-} > "$OUT/$tag.server.log" 2>&1 &
+  local pid=$!
   for _ in $(seq 1 "${SERVE_READY_S:-300}"); do
     kill -0 $pid 2>/dev/null || break
     if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" 2>/dev/null; then ready=1; break; fi
     sleep 1
   done
   if [ $ready = 1 ]; then
-    timeout "${SERVE_TIMEOUT:-240}" $BENCH --server "http://127.0.0.1:$port" $work > "/tmp/$tag.http.json" || rc=$?
+    timeout "${SERVE_TIMEOUT:-240}" $BENCH --server "http://127.0.0.1:$port" $work > "$OUT/${tag}_http.json" || rc=$?
   else
     echo "the server was not ready within ${SERVE_READY_S:-300} s"; rc=1
   fi
   kill -TERM $pid 2>/dev/null
   for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL $pid 2>/dev/null; wait $pid 2>/dev/null
-  echo "--- server log (tail)"; tail -n 40 "/tmp/$tag.server.log"; echo "---"
+  echo "--- server log (tail)"; tail -n 40 "$OUT/$tag.server.log"; echo "---"
   [ $rc = 0 ] || return $rc
-  timeout "${SERVE_TIMEOUT:-240}" $BENCH --synthetic "$pkg" $work ${SERVE_ARGS:-} > "/tmp/$tag.engine.json" || rc=$?
-  if [ $rc = 0 ] && python3 -m ninfer.bench.serving compare "/tmp/$tag.engine.json" "/tmp/$tag.http.json" > "$OUT/$tag.json"; then
-    python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['gateway']]" "$OUT/$tag.json"
-  else
-    cp "/tmp/$tag.http.json" "$OUT/${tag}_http.json"; [ -s "/tmp/$tag.engine.json" ] && cp "/tmp/$tag.engine.json" "$OUT/${tag}_engine.json"
-    return 1
-  fi
+  python3 -m ninfer.bench.serving compare "$OUT/${tag}_engine.json" "$OUT/${tag}_http.json" > "$OUT/$tag.json" \
+    && python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['gateway']]" "$OUT/$tag.json"
 }
+# Triton's cache holds a folder per compiled kernel: the count before and after a step says how many kernels
+# the step compiled (a long step on a warm cache that still compiles points at new shapes or constants)
+kernels() { find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
 for step in "$@"; do
-  t0=$(date +%s)
+  t0=$(date +%s); k0=$(kernels)
   case $step in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__)' ;;
     tests) timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops tests/sampling tests/model tests/gpu tests/engine tests/bench tests/targets tests/artifact ;;
@@ -161,9 +161,10 @@ for step in "$@"; do
     serveengine27) timeout ${SERVE_TIMEOUT:-240} $BENCH --synthetic qwen3_6_27b --concurrency ${SERVE_CONCURRENCY:-1,4,8} \
         --prompt-tokens ${SERVE_PROMPT:-1024} --max-tokens ${SERVE_TOKENS:-128} --requests ${SERVE_REQUESTS:-4} ${SERVE_ARGS:-} > "$OUT/serveengine27.json" ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
+    servetiny) serve_step qwen3_6_tiny servetiny ;;  # the harness itself, on any machine
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?
-  echo "== $step rc=$rc $(( $(date +%s) - t0 ))s :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
+  echo "== $step rc=$rc $(( $(date +%s) - t0 ))s, $(( $(kernels) - k0 )) kernels compiled :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
   pack
 done
