@@ -48,8 +48,9 @@ def write_tiny_artifact(package_name: str, path: Path) -> Path:
 
 
 @functools.cache
-def hf_causal_lm(package_name: str) -> torch.nn.Module:
-    """transformers' Qwen3_5(Moe)ForCausalLM holding `tiny_view`'s weights (the oracle)."""
+def hf_causal_lm(package_name: str, attention: str = "eager") -> torch.nn.Module:
+    """transformers' Qwen3_5(Moe)ForCausalLM holding `tiny_view`'s weights (the oracle); ``attention``:
+    its attention implementation (``sdpa`` for long prompts: eager holds every [T, T] score at once)."""
     from transformers import (
         Qwen3_5ForCausalLM,
         Qwen3_5MoeForCausalLM,
@@ -64,7 +65,7 @@ def hf_causal_lm(package_name: str) -> torch.nn.Module:
         if package.variant.moe
         else (Qwen3_5TextConfig(**text), Qwen3_5ForCausalLM)
     )
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     model = cls(config).float().eval()
     model.load_state_dict(hf_state_dict(tiny_view(package_name), text_only=True), strict=True)
     return model

@@ -185,7 +185,7 @@ def test_transition_clock_times_published_calls_and_comes_off() -> None:
         (("--image", "64x64", "--speculative", "mtp:2"), "--speculative is for the standard suite"),
         (("--multi-turn", "2", "--reply-tokens", "1"), "--reply-tokens must be >= 2"),
         (("--image", "64x64", "--device", "cpu"), "has no vision tower"),
-        (("--synthetic", "qwen3_6_tiny", "--multi-turn", "10", "--turn-tokens", "2048"), "model holds 4096"),
+        (("--synthetic", "qwen3_6_tiny", "--multi-turn", "10", "--turn-tokens", "2048"), "model holds 16384"),
     ],
 )  # fmt: skip
 def test_mode_flag_errors(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:

@@ -89,11 +89,11 @@ def test_capacity_of_a_cpu_engine_from_an_artifact(tiny_artifact: Path) -> None:
     with Engine(tiny_artifact, config) as engine:
         capacity = engine.capacity()
         program = engine.core.program
-    context = variant.max_position_embeddings  # 4096 < the CPU default of 32768
+    context = variant.max_position_embeddings  # 16384 < the CPU default of 32768
     assert capacity.max_context == context and capacity.page_size == PAGE
     lane_tokens = context * 2
     assert capacity.kv_pool_tokens > lane_tokens  # the lanes' full contexts plus the cache's pages
     assert capacity.kv_pool_tokens == program.book.pages.size * PAGE
     assert capacity.gpu_memory_fraction is None
     assert capacity.memory_plan.startswith(f"KV pool {capacity.kv_pool_tokens:,} tokens")
-    assert "max_context 4,096 (the CPU default)" in capacity.memory_plan and "(CPU)" in capacity.memory_plan
+    assert "max_context 16,384 (the CPU default)" in capacity.memory_plan and "(CPU)" in capacity.memory_plan

@@ -230,8 +230,8 @@ def test_a_small_models_pool_is_capped_at_64_requests_at_max_context() -> None:
     config = EngineConfig()
     plan = plan_memory(v, config, decode_backend(config, True, v), device=CUDA, dtype=torch.bfloat16,
                        free_bytes=H200_141GB - CUDA_CONTEXT, total_bytes=H200_141GB)  # fmt: skip
-    assert plan.max_context == v.max_position_embeddings == 4096 and plan.context_from == "model"
-    assert plan.capped and plan.kv_pages == 64 * (4096 // PAGE) and plan.requests_at_max_context == 64
+    assert plan.max_context == v.max_position_embeddings == 16384 and plan.context_from == "model"
+    assert plan.capped and plan.kv_pages == 64 * (16384 // PAGE) and plan.requests_at_max_context == 64
     assert "capped at 64 requests at max_context" in plan.describe()
     assert not cuda_plan("qwen3_6_35b_a3b", H200_141GB).capped
 
