@@ -121,7 +121,8 @@ def test_argument_errors_fail_fast(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 1 and "not both" in err
     rc, _, err = run_cli(capsys, "bench", "--synthetic", "qwen9")
     assert rc == 1 and "unknown package 'qwen9'" in err
-    rc, _, err = run_cli(capsys, "bench", "--synthetic", "qwen3_6_tiny", "--context", "17000")
+    too_long = ("--context", "8000", "--decode-steps", "9000")  # 8,000 + the decode budget > 16,384
+    rc, _, err = run_cli(capsys, "bench", "--synthetic", "qwen3_6_tiny", *too_long)
     assert rc == 1 and "the model holds 16384" in err
     for bad in ("0", "9", "1,x"):
         with pytest.raises(SystemExit) as exit_info:
