@@ -1,7 +1,7 @@
 """Where a decode graph's time goes, kernel by kernel, as the graph runs them (PDL overlap included).
 
     python3 -m tools.graph_timeline PACKAGE [--batch 1,8] [--context 2048] [--replays 5] [--top 30]
-                                   [--engine]
+                                   [--tokens T] [--engine]
 
 Random weights of the package's exact dims (as `tools.profile_step`), bf16 on CUDA. The decode step is
 captured in a CUDA graph and replayed under the torch profiler, which records every kernel inside the
@@ -190,22 +190,25 @@ def engine_graphs(
 
 
 def step_timelines(
-    package: str, batches: list[int], context: int, replays: int, top: int
+    package: str, batches: list[int], context: int, replays: int, top: int, tokens: int = 1
 ) -> dict[int, tuple[int, list[float], Table] | None]:
-    """The model's decode step alone (`forward` over a prepared `StepBatch`), graphed, per B."""
+    """The model's decode step alone (`forward` over a prepared `StepBatch`), graphed, per B; ``tokens`` >
+    1: a speculative verify's step of B rows x T tokens (states per position, logits at every token)."""
     device = torch.device("cuda")
     results = {}
-    variant, view, kernels, store = synthetic_decode_setup(package, batches, context)
+    variant, view, kernels, store = synthetic_decode_setup(package, batches, context, tokens_per_row=tokens)
+    mode = "all" if tokens > 1 else "last"
     with torch.inference_mode():
         for b in batches:
-            batch = make_batch(b, 1, context, PAGE_SIZE, device)
+            batch = make_batch(b, tokens, context, PAGE_SIZE, device, verify=tokens > 1)
 
             def step(batch: StepBatch = batch) -> None:
-                forward(view, variant, batch, store, logits="last", kernels=kernels)
+                forward(view, variant, batch, store, logits=mode, kernels=kernels)
 
-            print(f"B={b}: graph replay {graph_time_ms(step):.3f} ms (no profiler)", flush=True)
+            title = f"B={b}" + (f" T={tokens}" if tokens > 1 else "")
+            print(f"{title}: graph replay {graph_time_ms(step):.3f} ms (no profiler)", flush=True)
             results[b] = profile_replays(graphed(step), replays)
-            print_timeline(f"B={b}", results[b], top)
+            print_timeline(title, results[b], top)
     return results
 
 
@@ -217,13 +220,19 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument(
+        "--tokens", type=int, default=1,
+        help="tokens per row: T > 1 times a speculative verify's (B, T) step instead of the decode step",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine", action="store_true",
         help="then the Engine's own captured graphs (input unpacking and argmax included), and the "
         "difference per kernel against the step graph",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.tokens < 1 or (args.engine and args.tokens > 1):
+        parser.error("--tokens must be >= 1, and 1 with --engine (the Engine's graphs compared are decode's)")
     batches = [int(b) for b in args.batch.split(",")]
-    results = step_timelines(args.package, batches, args.context, args.replays, args.top)
+    results = step_timelines(args.package, batches, args.context, args.replays, args.top, args.tokens)
     if not args.engine:
         return
     gc.collect()  # the step's weights go (one package's weights at a time fit on the device)

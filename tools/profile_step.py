@@ -50,8 +50,12 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.device) -> StepBatch:
-    """B rows of ``tokens`` new tokens each at the end of ``context`` positions; row r owns pages r*P.."""
+def make_batch(
+    b: int, tokens: int, context: int, page_size: int, device: torch.device, *, verify: bool = False
+) -> StepBatch:
+    """B rows of ``tokens`` new tokens each at the end of ``context`` positions; row r owns pages r*P..
+    ``verify``: a speculative verify's step (the state after each token into its own slot, slots B..B +
+    B x tokens, the static (B, T) path), so the store needs B x (1 + tokens) state slots."""
     pages = -(-context // page_size)
     n = b * tokens
     pos = torch.cat([torch.arange(context - tokens, context) for _ in range(b)]).to(device)
@@ -66,8 +70,13 @@ def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.
         block_table=table,
         slot_mapping=slots.to(device),
         state_in=torch.arange(b, device=device),
-        state_out=torch.arange(b, 2 * b, device=device),
+        state_out=(
+            torch.arange(b, b + b * tokens, device=device).view(b, tokens)
+            if verify
+            else torch.arange(b, 2 * b, device=device)
+        ),
         fresh=torch.zeros(b, dtype=torch.bool, device=device),
+        tokens_per_row=tokens if verify else None,
         query_start_host=tuple(qs),
         context_lens_host=(context,) * b,
     )
@@ -76,14 +85,18 @@ def make_batch(b: int, tokens: int, context: int, page_size: int, device: torch.
 PAGE_SIZE = 64
 
 
-def synthetic_decode_setup(package: str, batches: list[int], context: int, kernels: str = "fast"):  # noqa: ANN201
-    """(variant, view, kernels, store) for steps of up to max(batches) rows of up to ``context`` positions:
-    random bf16 weights of the package's exact dims on CUDA, KV pages of PAGE_SIZE positions."""
+def synthetic_decode_setup(  # noqa: ANN201
+    package: str, batches: list[int], context: int, kernels: str = "fast", tokens_per_row: int = 1
+):
+    """(variant, view, kernels, store) for steps of up to max(batches) rows of up to ``context`` positions
+    (``tokens_per_row`` > 1: verify steps, `make_batch(verify=True)`): random bf16 weights of the package's
+    exact dims on CUDA, KV pages of PAGE_SIZE positions."""
     device = torch.device("cuda")
     variant = get_package(package).variant
     view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
     b_max = max(batches)
-    store = StateStore.allocate(variant, 2 * b_max, b_max * -(-context // PAGE_SIZE), PAGE_SIZE,
+    slots = b_max * (1 + max(1, tokens_per_row))
+    store = StateStore.allocate(variant, slots, b_max * -(-context // PAGE_SIZE), PAGE_SIZE,
                                 torch.bfloat16, device)  # fmt: skip
     return variant, view, select_kernels(device, kernels), store
 
