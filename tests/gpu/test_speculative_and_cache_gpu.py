@@ -112,3 +112,44 @@ def test_reused_turns_decode_the_cold_tokens_on_cuda(tiny_artifact: Path, dtype:
     assert all(r.usage.reused_prefix_tokens > 0 for r in warm[1:])
     for a, b in zip(warm, cold):
         _agree(a, b, dtype)
+
+
+def test_turns_continued_from_the_host_tier_decode_the_cold_tokens_on_cuda(tiny_artifact: Path) -> None:
+    """The host tier on CUDA: pinned host copies of checkpoints and their restores. Two sessions take turns
+    on a device budget of one checkpoint state slot, so each one's checkpoints go to the host while the
+    other runs and come back for its next turn; one-token prefill units in both runs (as the CPU test,
+    tests/integration/test_integration_prefix_cache_host_tier.py) make the positions after a restore run
+    the cold run's own operations."""
+    from ninfer.targets.qwen3_6.memory import GIB
+
+    def rotation(config: EngineConfig) -> tuple[list[GenerationResult], object]:
+        with Engine(tiny_artifact, config) as engine:
+            histories = [
+                [{"role": "system", "content": f"System {i}: answer briefly. " * 6}] for i in range(2)
+            ]
+            out = []
+            for turn in range(3):
+                for i, history in enumerate(histories):
+                    history.append({"role": "user", "content": f"question {turn} of {i}: what, and why?"})
+                    request = GenerationRequest(
+                        messages=list(history), max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2,
+                        chat_template_kwargs={"enable_thinking": False}, session_id=f"s{i}",
+                    )  # fmt: skip
+                    result = engine.generate(request)
+                    out.append(result)
+                    history.append({"role": "assistant", "content": result.text})
+            return out, engine.cache_stats()
+
+    common = dict(max_concurrency=1, device="cuda", dtype="float32", max_context=1024, prefill_chunk_tokens=1)
+    cold, _ = rotation(EngineConfig(prefix_cache=False, **common))  # type: ignore[arg-type]
+    slot_bytes = 48384  # qwen3_6_tiny fp32: one checkpoint state slot
+    warm, stats = rotation(EngineConfig(cache_memory_gb=5 * slot_bytes / GIB, host_cache_gb=0.004, **common))  # type: ignore[arg-type]
+    assert stats.offloads > 0 and stats.restores > 0, stats  # type: ignore[attr-defined]
+    assert all(r.usage.reused_prefix_tokens > 0 for r in warm[2:])
+    for a, b in zip(warm, cold):
+        _agree(a, b, "float32")
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs):
+            if x.token_id != y.token_id:
+                break
+            assert abs(x.logprob - y.logprob) <= 1e-4
