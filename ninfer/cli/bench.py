@@ -261,12 +261,15 @@ def speculative_list(text: str) -> tuple[str | None, ...]:
     from ninfer.types import parse_speculative
 
     out: list[str | None] = []
-    for item in text.split(","):
-        item = item.strip()
+    for item in (part.strip() for part in text.split(",")):
+        if item == "off":
+            out.append(None)
+            continue
         try:
-            out.append(None if item == "off" else (parse_speculative(item) and item))
+            parse_speculative(item)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+        out.append(item)
     return tuple(out)
 
 
