@@ -19,8 +19,9 @@
 # 32k/128k/256k, B=1 and 8, each context's rows sharing one prefilled prompt, and a 128k prefill; CTX_TIMEOUT,
 # CTX_ARGS: extra flags, later ones win, e.g. --context 262144 --batch 1,4), serve27/35 (`ninfer serve --synthetic`
 # on loopback under `ninfer bench --server` at 1, 4, 8 streams, after the same workload through the Engine
-# in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS, SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
-# runs, e.g. --kernels reference or --prefix-cache on); serveengine27: the in-process half alone.
+# in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
+# SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
+# runs, e.g. --kernels reference or --prefix-cache on), servetiny (the same harness on the tiny package).
 # mtpsweep27/35 (`--speculative SWEEP_SPECS` at SWEEP_BATCH, default off,mtp:1,...,mtp:4: one bench process over
 # one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
 # knownsweep27/35 (the same with KNOWN, default known:1@1.9,known:2@2.4,known:3@2.8, at B = 1: the per-stream
@@ -31,7 +32,7 @@
 # between calls, so a second call on it compiles nothing twice.
 # Carry .whl (tools/device_wheels.sh: fla-core, llguidance and the server's fastapi/uvicorn/pydantic/orjson
 # stack); the image lacks them. Never installs anything but the carried wheels.
-set -u
+set -u -o pipefail  # a step's status is its command's, not its summary filter's
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}"
 # invocations of one device call (one $OUT) share the work folder and the pack
 RESULTS=${OUT:-/tmp/out}; OUT=/tmp/gpu_session.$(echo "$RESULTS" | md5sum | cut -c1-12); mkdir -p "$RESULTS" "$OUT"
@@ -158,10 +159,8 @@ for step in "$@"; do
           --prefill-repeats 1 --speculative $specs $extra | tee "$OUT/${step}${SWEEP_TAG:-}.jsonl" \
           | python3 -c 'import json,sys; [print(r["settings"]["speculative"], [(d["batch"], d["ms_step"], d["tok_s"]) for d in r["decode"]], flush=True) for r in map(json.loads, sys.stdin)]' ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
-    serveengine27) timeout ${SERVE_TIMEOUT:-240} $BENCH --synthetic qwen3_6_27b --concurrency ${SERVE_CONCURRENCY:-1,4,8} \
-        --prompt-tokens ${SERVE_PROMPT:-1024} --max-tokens ${SERVE_TOKENS:-128} --requests ${SERVE_REQUESTS:-4} ${SERVE_ARGS:-} > "$OUT/serveengine27.json" ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
-    servetiny) serve_step qwen3_6_tiny servetiny ;;  # the harness itself, on any machine
+    servetiny) serve_step qwen3_6_tiny servetiny ;;
     *) echo "unknown step $step"; continue ;;
   esac > "$OUT/$step.log" 2>&1
   rc=$?

@@ -33,9 +33,6 @@ PREFILL = "prefill"
 # decode rounds a request may run beyond the bound below before all B are decode-ready (a request can
 # also decode while the caller is still submitting the next one)
 ROUND_SLACK = 8
-# the smallest prefill unit while other rows decode (the Engine's prefill pacer may cut a prompt into
-# units this small, each followed by a decode round)
-PACED_UNIT_MIN = GRANULE
 POLL_S = 0.005  # how often the caller looks at its handles while the worker runs decode rounds
 
 Mark = tuple[float, str, int]  # (perf_counter at unit start, unit kind, rows)
@@ -94,7 +91,7 @@ class BenchPlan:
         after each of their prompt units, as small as the prefill pacer may cut them), plus slack.
         ``row_prefill``: prompt tokens each row prefills (default ``context``; fewer when it continues a
         checkpoint). A bound, not a target: `EngineDriver.run_rows` stops the rows once it has its rounds."""
-        unit = min(self.prefill_chunk, PACED_UNIT_MIN)
+        unit = min(self.prefill_chunk, GRANULE)  # the prefill pacer's smallest unit while rows decode
         chunks = math.ceil((self.context if row_prefill is None else row_prefill) / unit)
         rounds = (self.decode_steps + 1) + (batch - 1) * chunks + ROUND_SLACK
         return 1 + rounds * self.tokens_per_round
@@ -180,7 +177,10 @@ def greedy_request(prompt: list[int], max_tokens: int, prefix_cache: bool = True
 
 
 def _finished(handle: GenerationHandle, expected_tokens: int) -> GenerationResult:
-    result = handle.result()
+    return _whole_budget(handle.result(), expected_tokens)
+
+
+def _whole_budget(result: GenerationResult, expected_tokens: int) -> GenerationResult:
     if result.finish_reason != "length" or result.usage.completion_tokens != expected_tokens:
         raise BenchError(
             f"request {result.request_id} ended with {result.finish_reason!r} after "
@@ -192,9 +192,9 @@ def _finished(handle: GenerationHandle, expected_tokens: int) -> GenerationResul
 def _ended(handle: GenerationHandle, budget: int) -> GenerationResult:
     """A decode-measurement row's result: its whole budget, or cancelled by the driver."""
     result = handle.result(raise_on_error=False)
-    if result.finish_reason == "cancelled":
-        return result
-    return _finished(handle, budget)
+    if result.error is not None:
+        raise result.error
+    return result if result.finish_reason == "cancelled" else _whole_budget(result, budget)
 
 
 class EngineDriver:

@@ -182,16 +182,12 @@ def run_header(started: StartedEngine, probe: DeviceProbe) -> RunHeader:
     )
 
 
-def tokens_per_round(speculative: str | None) -> int:
-    """The most tokens a row may produce per decode round (the plan's budgets must cover its rounds)."""
-    spec = parse_speculative(speculative)
-    return 1 if spec is None else spec.draft_tokens + 1
-
-
 def backend_options(options: BenchOptions, speculative: str | None) -> BenchOptions:
-    """``options`` for one decode backend (None: plain decoding, which takes no draft vocabulary)."""
-    plan = replace(options.plan, tokens_per_round=tokens_per_round(speculative))
-    draft_vocab = options.draft_vocab if speculative is not None and speculative.startswith("mtp") else None
+    """``options`` for one decode backend (None: plain decoding): the plan's budgets cover its most tokens
+    a row a round (K + 1 for a verify), and only an MTP head takes the draft vocabulary."""
+    spec = parse_speculative(speculative)
+    plan = replace(options.plan, tokens_per_round=1 if spec is None else spec.draft_tokens + 1)
+    draft_vocab = options.draft_vocab if spec is not None and spec.method == "mtp" else None
     return replace(options, plan=plan, speculative=speculative, draft_vocab=draft_vocab)
 
 
