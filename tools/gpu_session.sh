@@ -62,6 +62,7 @@ serve_step() {
   local rc=0 ready=0
   # the in-process half first: its figures survive a slow or cut HTTP half
   timeout "${SERVE_TIMEOUT:-240}" $BENCH --synthetic "$pkg" $work ${SERVE_ARGS:-} > "$OUT/${tag}_engine.json" || return $?
+  touch "$OUT/.$tag.http.start"
   python3 -m ninfer serve --synthetic "$pkg" --port "$port" --max-concurrency 8 --max-context $((prompt + tokens)) \
     --prefix-cache off ${SERVE_ARGS:-} > "$OUT/$tag.server.log" 2>&1 &
   local pid=$!
@@ -79,6 +80,8 @@ serve_step() {
   for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL $pid 2>/dev/null; wait $pid 2>/dev/null
   echo "--- server log (tail)"; tail -n 40 "$OUT/$tag.server.log"; echo "---"
+  # kernels the server compiled that the in-process half had not (shapes only the served workload makes)
+  echo "server compiled: $(find "$TRITON_CACHE_DIR" -mindepth 2 -name '*.json' ! -name '__grp__*' -newer "$OUT/.$tag.http.start" -printf '%f ' 2>/dev/null)"
   [ $rc = 0 ] || return $rc
   python3 -m ninfer.bench.serving compare "$OUT/${tag}_engine.json" "$OUT/${tag}_http.json" > "$OUT/$tag.json" \
     && python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['gateway']]" "$OUT/$tag.json"
@@ -87,7 +90,7 @@ serve_step() {
 # the step compiled (a long step on a warm cache that still compiles points at new shapes or constants)
 kernels() { find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
 for step in "$@"; do
-  t0=$(date +%s); k0=$(kernels)
+  t0=$(date +%s); k0=$(kernels); touch "$OUT/.$step.start"
   case $step in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__)' ;;
     tests) timeout 420 python3 -m pytest -m gpu -p no:cacheprovider -rs tests/ops tests/sampling tests/model tests/gpu tests/engine tests/bench tests/targets tests/artifact ;;
@@ -165,5 +168,9 @@ for step in "$@"; do
   esac > "$OUT/$step.log" 2>&1
   rc=$?
   echo "== $step rc=$rc $(( $(date +%s) - t0 ))s, $(( $(kernels) - k0 )) kernels compiled :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
+  # which kernels the step compiled, by name (a step that compiles mid-measurement shows it here)
+  find "$TRITON_CACHE_DIR" -mindepth 2 -name '*.json' ! -name '__grp__*' -newer "$OUT/.$step.start" -printf '%f\n' 2>/dev/null \
+    | sed 's/\.json$//' | sort | uniq -c | sort -rn > "$OUT/$step.compiled"
+  [ -s "$OUT/$step.compiled" ] && echo "   compiled: $(head -n 12 "$OUT/$step.compiled" | tr -s ' \n' ' ')"
   pack
 done
