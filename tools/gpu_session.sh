@@ -21,7 +21,11 @@
 # on loopback under `ninfer bench --server` at 1, 4, 8 streams, after the same workload through the Engine
 # in-process; $OUT/serve27.json holds both and the gateway's added TTFT/TPOT; SERVE_PROMPT, SERVE_TOKENS,
 # SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_READY_S, SERVE_TIMEOUT, SERVE_PORT; SERVE_ARGS: Engine flags for both
-# runs, e.g. --kernels reference or --prefix-cache on), servetiny (the same harness on the tiny package).
+# runs, e.g. --kernels reference or --prefix-cache on), servetiny (the same harness on the tiny package),
+# servetimeline27/35 (the in-process half under tools/serving_timeline: every Engine unit's time, the GC
+# pauses and Triton compiles inside them; SERVE_CONCURRENCY, SERVE_REQUESTS, TL_TIMEOUT, TL_ARGS),
+# prefillhost27/35 (tools/prefill_host: one prefill chunk's enqueue, device and wall time, and its cProfile;
+# PH_ARGS, e.g. --tokens 64,1024 --context 0).
 # mtpsweep27/35 (`--speculative SWEEP_SPECS` at SWEEP_BATCH, default off,mtp:1,...,mtp:4: one bench process over
 # one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
 # knownsweep27/35 (the same with KNOWN, default known:1@1.9,known:2@2.4,known:3@2.8, at B = 1: the per-stream
@@ -63,7 +67,9 @@ serve_step() {
   # the in-process half first: its figures survive a slow or cut HTTP half
   timeout "${SERVE_TIMEOUT:-240}" $BENCH --synthetic "$pkg" $work ${SERVE_ARGS:-} > "$OUT/${tag}_engine.json" || return $?
   touch "$OUT/.$tag.http.start"
-  python3 -m ninfer serve --synthetic "$pkg" --port "$port" --max-concurrency 8 --max-context $((prompt + tokens)) \
+  # the Engine settings of the in-process half: max_concurrency is the widest level there
+  local widest; widest=$(echo "${SERVE_CONCURRENCY:-1,4,8}" | tr ',' '\n' | sort -n | tail -n 1)
+  python3 -m ninfer serve --synthetic "$pkg" --port "$port" --max-concurrency "$widest" --max-context $((prompt + tokens)) \
     --prefix-cache off ${SERVE_ARGS:-} > "$OUT/$tag.server.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 "${SERVE_READY_S:-300}"); do
@@ -161,6 +167,12 @@ for step in "$@"; do
         timeout ${SWEEP_TIMEOUT:-400} $BENCH --synthetic $pkg --batch $batch --decode-steps 16 --prefill-tokens 1024 \
           --prefill-repeats 1 --speculative $specs $extra | tee "$OUT/${step}${SWEEP_TAG:-}.jsonl" \
           | python3 -c 'import json,sys; [print(r["settings"]["speculative"], [(d["batch"], d["ms_step"], d["tok_s"]) for d in r["decode"]], flush=True) for r in map(json.loads, sys.stdin)]' ;;
+    servetimeline27|servetimeline35)
+        pkg=qwen3_6_27b; [ "${step: -2}" = 35 ] && pkg=qwen3_6_35b_a3b
+        timeout ${TL_TIMEOUT:-300} python3 -m tools.serving_timeline $pkg --concurrency ${SERVE_CONCURRENCY:-1,4} \
+          --requests ${SERVE_REQUESTS:-2} --json "$OUT/$step.json" ${TL_ARGS:-} ;;
+    prefillhost27) timeout 200 python3 -m tools.prefill_host qwen3_6_27b ${PH_ARGS:-} ;;
+    prefillhost35) timeout 200 python3 -m tools.prefill_host qwen3_6_35b_a3b ${PH_ARGS:-} ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
     servetiny) serve_step qwen3_6_tiny servetiny ;;

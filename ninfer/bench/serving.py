@@ -509,9 +509,15 @@ def run_http(
     return ServingReport("http", header, plan, drive(server, plan, prompts, log))
 
 
-def run_engine(options: Any, plan: ServingPlan, log: Callable[[str], None] = lambda _: None) -> ServingReport:
+def run_engine(
+    options: Any,
+    plan: ServingPlan,
+    log: Callable[[str], None] = lambda _: None,
+    on_start: Callable[[Any], None] | None = None,
+) -> ServingReport:
     """The workload through an in-process Engine started from ``options`` (a `BenchOptions`), configured
-    as ``ninfer serve --max-concurrency max(C) --max-context prompt+max_tokens`` would be."""
+    as ``ninfer serve --max-concurrency max(C) --max-context prompt+max_tokens`` would be. ``on_start``
+    sees the started Engine before the first request (a diagnostic tool's observer goes on there)."""
     from ninfer.bench.runner import engine_config, options_package, probe_and_start, run_header
 
     package, _ = options_package(options)
@@ -526,6 +532,8 @@ def run_engine(options: Any, plan: ServingPlan, log: Callable[[str], None] = lam
     )
     probe, started = probe_and_start(options, config, log)
     try:
+        if on_start is not None:
+            on_start(started.engine)
         prompts = prompt_source(package.name, options.seed)
         levels = drive(EngineTarget(started.engine), plan, prompts, log)
         engine = started.engine.config

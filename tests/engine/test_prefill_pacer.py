@@ -17,25 +17,79 @@ from cache_helpers import build_engine  # noqa: E402
 from integration_helpers import random_prompts  # noqa: E402
 
 from ninfer import GenerationRequest  # noqa: E402
-from ninfer.runtime.engine.prefill_pacer import GRANULE, PrefillPacer  # noqa: E402
+from ninfer.runtime.engine.prefill_pacer import FLOOR_SLACK, GRANULE, REPROBE, PrefillPacer  # noqa: E402
 
 torch.set_num_threads(1)
 
 
+def paced(pacer: PrefillPacer, cost, round_s: float, chunks: int = 60) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """The pacer alone on a given cost model: decode rounds of ``round_s``, then ``chunks`` times a chunk of
+    the size it asks for (costing ``cost(tokens)``) and a round. Returns the sizes and the gaps."""
+    t = 0.0
+    for _ in range(3):
+        t += round_s
+        pacer.decode_committed(t)
+    sizes, gaps = [], []
+    for _ in range(chunks):
+        n = pacer.chunk(decoding=True)
+        pacer.prefill_ran(n)
+        gap = cost(n) + round_s
+        t += gap
+        pacer.decode_committed(t)
+        sizes.append(n)
+        gaps.append(gap)
+    return sizes, gaps
+
+
 def test_a_measured_pacer_sizes_the_chunk_to_the_gap() -> None:
+    """Costs proportional to the tokens (0.1 ms each), rounds of 10 ms, a 100 ms bound: 512 tokens fit
+    (61 ms), 1024 do not (112 ms)."""
     pacer = PrefillPacer(0.1, full_chunk=8192, first_chunk=512)
     assert pacer.chunk(decoding=False) == 8192  # nothing decodes: full chunks
     assert pacer.chunk(decoding=True) == 512  # nothing measured yet
-    t = 0.0
-    for _ in range(3):  # plain rounds of 10 ms
-        t += 0.010
-        pacer.decode_committed(t)
-    pacer.prefill_ran(512)
-    t += 0.010 + 512 * 1e-4  # one round + 512 tokens at 0.1 ms
-    pacer.decode_committed(t)
-    assert pacer.round_s == pytest.approx(0.010) and pacer.token_s == pytest.approx(1e-4)
-    assert pacer.chunk(decoding=True) == (0.09 / 1e-4) // GRANULE * GRANULE  # 896 tokens: 99.6 ms
+    sizes, gaps = paced(pacer, lambda n: n * 1e-4, 0.010)
+    assert pacer.round_s == pytest.approx(0.010) and pacer.cost_s[512] == pytest.approx(0.0512)
+    assert sizes[0] == 512 and sizes[1] == 1024  # the size above is tried once
+    assert sizes.count(512) >= len(sizes) - 1 - len(sizes) // REPROBE  # and again every REPROBE chunks
+    assert sum(g > 0.1 for g in gaps) == 1 + (len(sizes) - 2) // REPROBE
     assert pacer.chunk(decoding=False) == 8192
+
+
+def test_a_fixed_cost_per_unit_makes_the_chunk_as_large_as_it_is_cheap() -> None:
+    """The 27B on an H200 (serving run 24, docs/benchmarks.md): a prefill unit costs at least 90 ms of host
+    work, and 0.087 ms a token on the device; a round 14 ms. No chunk keeps a 100 ms gap, and shrinking
+    below 1,024 tokens saves nothing: the pacer settles on 1,024 (two units of 64 tokens would cost
+    twice the gaps for a sixteenth of the tokens)."""
+    pacer = PrefillPacer(0.1, full_chunk=8192)
+    sizes, gaps = paced(pacer, lambda n: max(0.090, n * 0.087e-3) + 0.002, 0.014)
+    steady = sizes[len(sizes) // 2 :]
+    assert max(set(steady), key=steady.count) == 1024
+    assert min(sizes) >= GRANULE and sizes.count(GRANULE) <= 1  # it tried down to one granule, once
+    assert max(gaps[len(gaps) // 2 :]) < 0.2  # a tried 2,048 at most (194 ms); otherwise 106 ms
+    assert sorted(gaps)[len(gaps) // 2] < FLOOR_SLACK * 0.092 + 0.014
+
+
+def test_a_first_chunk_over_the_bound_shrinks_until_it_fits() -> None:
+    """Device-bound costs (0.4 ms a token, 5 ms fixed) and 10 ms rounds: 512 tokens cost 210 ms; the pacer
+    halves to 128 (56 ms), the largest that fits 90 ms, and stays there."""
+    pacer = PrefillPacer(0.1, full_chunk=8192)
+    sizes, gaps = paced(pacer, lambda n: 0.005 + n * 4e-4, 0.010)
+    assert sizes[:3] == [512, 256, 128]
+    assert set(sizes[3:]) <= {128, 256} and sizes[3:].count(128) >= len(sizes[3:]) - 2
+    assert all(g <= 0.1 for g in gaps[3:] if g < 0.11) and sum(g > 0.1 for g in gaps[3:]) <= 2
+
+
+def test_cheap_chunks_grow_to_the_full_chunk_and_only_table_sizes_are_learned() -> None:
+    pacer = PrefillPacer(0.1, full_chunk=3000)
+    assert pacer.sizes == (64, 128, 256, 512, 1024, 2048, 3000)
+    sizes, _ = paced(pacer, lambda n: n * 1e-6, 0.001, chunks=8)
+    assert sizes[:5] == [512, 1024, 2048, 3000, 3000]
+    tail = PrefillPacer(0.1, full_chunk=3000)
+    paced(tail, lambda n: n * 1e-6, 0.001, chunks=0)
+    tail.prefill_ran(700)  # a prompt's tail, or a chunk cut at a capture point: no table size
+    tail.decode_committed(1.0)
+    assert tail.cost_s == {}
+    assert PrefillPacer(None, full_chunk=2048).chunk(decoding=True) == 2048
 
 
 def test_gaps_that_are_not_one_unit_measure_nothing() -> None:
@@ -48,16 +102,7 @@ def test_gaps_that_are_not_one_unit_measure_nothing() -> None:
     pacer.prefill_ran(256)
     pacer.other_unit_ran()  # forced control between: not a chunk + a round
     pacer.decode_committed(5.5)
-    assert pacer.token_s is None and pacer.round_s == pytest.approx(0.01)
-
-
-def test_the_chunk_stays_within_one_granule_and_the_full_chunk() -> None:
-    pacer = PrefillPacer(0.05, full_chunk=2048)
-    pacer.round_s, pacer.token_s = 0.2, 1e-3  # a round alone exceeds the bound
-    assert pacer.chunk(decoding=True) == GRANULE
-    pacer.round_s, pacer.token_s = 0.001, 1e-9
-    assert pacer.chunk(decoding=True) == 2048
-    assert PrefillPacer(None, full_chunk=2048).chunk(decoding=True) == 2048
+    assert pacer.cost_s == {} and pacer.round_s == pytest.approx(0.01)
 
 
 class UnitClock:
@@ -108,9 +153,7 @@ def _run(gap_ms: float) -> tuple[UnitClock, list[list[int]], list[float]]:
         )
         for _ in range(6):  # the short request prefills and starts decoding
             engine.core.step()
-        second = engine.submit(
-            GenerationRequest(prompt=long, max_tokens=4, temperature=0.0, ignore_eos=True)
-        )
+        second = engine.submit(GenerationRequest(prompt=long, max_tokens=4, temperature=0.0, ignore_eos=True))
         seen = len(engine.core.live[first.request_id].token_ids)
         times.append(clock.now)  # the decoding request's last token before the long prompt arrives
         while not (first.done and second.done):

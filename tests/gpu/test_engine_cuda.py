@@ -111,3 +111,16 @@ def test_sampled_rows_in_graphs_match_eager(tiny_artifact: Path, monkeypatch: py
         actual = run(graphed)
     assert actual == expected
     assert len(sampler_calls) > 4 + 15, "the decode rounds with sampled rows run the sampler"
+
+
+def test_warmup_runs_a_prompt_of_each_prefill_unit_size(tiny_artifact: Path) -> None:
+    """The fast table's warm-up (Engine._warmup_requests): the short prompt, then one prompt of each prefill
+    unit size the pacer cuts that max_context holds, each a prefill unit and a decode round, before the
+    Engine says ready; it leaves the Program's usage at its baseline."""
+    config = EngineConfig(max_concurrency=2, device="cuda", dtype="bfloat16", max_context=4096, warmup=True)
+    with Engine(tiny_artifact, config) as engine:
+        sizes = [s for s in engine.core.pacer.sizes if s + 2 <= 4096]
+        assert sizes == [64, 128, 256, 512, 1024, 2048]
+        assert engine.core.units_run >= 2 * (1 + len(sizes))
+        assert engine.availability.state == "ready"
+        assert engine.core.program.usage() == engine.core.baseline

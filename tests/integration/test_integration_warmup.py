@@ -85,3 +85,16 @@ def test_outputs_equal_an_engine_without_warmup(engines: Started) -> None:
     assert warm_out == cold_out
     assert warm_out[0] == hf_greedy(NAME, tuple(PROMPTS[0]), NEW_TOKENS)
     assert warm.core.program.usage() == warm.core.baseline
+
+
+def test_the_fast_table_warms_each_prefill_unit_size_that_fits(engines: Started) -> None:
+    """With the fast op table (Triton kernels, compiled per shape class on first use) the warm-up adds one
+    prompt of each prefill unit size the pacer cuts, up to what ``max_context`` holds; the reference table
+    warms with the short prompt alone. (tests/gpu/test_engine_cuda.py runs it on CUDA.)"""
+    engine = engines.cold
+    sizes = engine.core.pacer.sizes
+    fast = engine._warmup_requests("fast", sizes)
+    assert [len(r.prompt) for r in fast[1:]] == [s for s in sizes if s + 2 <= engine.max_context]
+    assert all(r.prefix_cache is False and r.ignore_eos for r in fast[1:])
+    assert len(engine._warmup_requests("reference", sizes)) == 1
+    assert len(engine._warmup_requests("fast", (64, 10**9))) == 2  # a size beyond max_context is left out

@@ -243,15 +243,34 @@ class Engine:
         _RUNNING_CORES.add(core)
         if config.warmup:
             core.set_availability("warming")
-            # the same public path as any request, with the context cache off: it leaves no checkpoint
-            handle = self.submit(
-                GenerationRequest(
-                    prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, prefix_cache=False
-                )
-            )
-            with handle:
-                handle.result(raise_on_error=False)
+            for request in self._warmup_requests(table, core.pacer.sizes):
+                with self.submit(request) as handle:
+                    handle.result(raise_on_error=False)
         core.set_availability("ready")
+
+    def _warmup_requests(self, table: str, unit_sizes: Sequence[int]) -> list[GenerationRequest]:
+        """What the Engine runs before it is ready, through the same public path as any request, with
+        the context cache off (it leaves no checkpoint): a short prompt, and with the fast op table one
+        prompt of each prefill unit size the Scheduler and the prefill pacer cut (`PrefillPacer.sizes`)
+        that fits ``max_context``. Triton compiles a kernel for each shape class it meets, seconds to a
+        minute on a cold cache, and would otherwise do it inside the first requests of each size."""
+        requests = [
+            GenerationRequest(
+                prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, prefix_cache=False
+            )
+        ]
+        if table != "fast":
+            return requests
+        word = self._frontend.prepare_text(WARMUP_PROMPT).token_ids[0]
+        for size in unit_sizes:
+            if size + WARMUP_MAX_TOKENS <= self.max_context:
+                requests.append(
+                    GenerationRequest(
+                        prompt=[word] * size, max_tokens=WARMUP_MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                        prefix_cache=False,
+                    )  # fmt: skip
+                )
+        return requests
 
     # ---- state ----
     @property
