@@ -154,3 +154,45 @@ def test_min_tokens_is_a_lower_bound(frontend: Frontend) -> None:
     for text in texts:
         assert tok.min_tokens(len(text.encode("utf-8"))) <= len(frontend.encode(text)), text[:40]
     assert tok.min_tokens(10 << 20) > 10_000  # a 10 MiB text is known to be long before it is tokenized
+
+
+def long_texts(n: int, seed: int) -> list[str]:
+    """Texts of 150-3,000 characters: corpus lines, random characters and added-token strings in random
+    order, some of them repeated, so the piece cache meets pieces it has seen and pieces it has not."""
+    rnd = random.Random(seed)
+    parts = [t for t in CORPUS if t] + random_texts(60, seed) + SPECIAL_STRINGS + ["\n", " ", "\n\n"]
+    texts = []
+    while len(texts) < n:
+        text = "".join(rnd.choice(parts) for _ in range(rnd.randint(8, 60)))
+        if len(text) >= 150:
+            texts.append(text[:3000])
+    return texts
+
+
+def test_the_piece_cache_encodes_as_the_whole_text_does(frontend: Frontend) -> None:
+    """A long text is encoded piece by piece between added tokens, pieces seen before from the cache: the
+    ids equal `tokenizers`' own encoding of the whole text, on the first encoding and on the repeat, and
+    for a conversation growing turn by turn (every earlier turn's pieces then come from the cache)."""
+    from ninfer.targets.qwen3_6.frontend.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer((RESOURCE_DIR / "tokenizer.json").read_bytes())
+    whole = tokenizer._tok  # the oracle: the library's encoding of the unsplit text
+    texts = long_texts(300, seed=11)
+    for text in texts + texts:
+        assert tokenizer.encode(text) == whole.encode(text, add_special_tokens=False).ids, text[:80]
+    assert tokenizer._pieces  # the cache was used
+    history = [{"role": "system", "content": CORPUS[0] * 3}]
+    for turn, line in enumerate(CORPUS[1:]):
+        history += [{"role": "user", "content": line * 4}, {"role": "assistant", "content": f"{turn} " + line}]
+        text = frontend.render_chat(history, enable_thinking=False)
+        assert frontend.encode(text) == whole.encode(text, add_special_tokens=False).ids
+
+
+def test_the_piece_cache_stays_within_its_token_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ninfer.targets.qwen3_6.frontend import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "PIECE_CACHE_TOKENS", 500)
+    tokenizer = tokenizer_module.TextTokenizer((RESOURCE_DIR / "tokenizer.json").read_bytes())
+    for text in long_texts(50, seed=3):
+        tokenizer.encode(text)
+        assert tokenizer._piece_tokens == sum(map(len, tokenizer._pieces.values())) <= 500

@@ -25,8 +25,9 @@ def _u64(n: int) -> bytes:
     return n.to_bytes(8, "little")
 
 
-def _ids_bytes(token_ids: Iterable[int]) -> bytes:
-    a = array("I", token_ids)  # 4 bytes on every supported platform; OverflowError outside u32
+def ids_bytes(token_ids: Iterable[int]) -> bytes:
+    """The ids as u32 little-endian bytes (OverflowError outside u32)."""
+    a = array("I", token_ids)  # 4 bytes on every supported platform
     if sys.byteorder == "big":  # pragma: no cover
         a.byteswap()
     return a.tobytes()
@@ -49,7 +50,7 @@ class PrefixHasher:
         return self._n
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        self._h.update(_ids_bytes(token_ids))
+        self._h.update(ids_bytes(token_ids))
         self._n += len(token_ids)
 
     def add_media(self, offset: int, digest: str) -> None:

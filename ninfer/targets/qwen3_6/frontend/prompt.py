@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.runtime.contract.identity import ids_bytes
 from ninfer.targets.qwen3_6.frontend.types import PreparedImage, PreparedPrompt
 from ninfer.targets.qwen3_6.variant import SpecialTokens
 
@@ -25,7 +26,7 @@ def prompt_digest(token_ids: Sequence[int], media: Sequence[bytes] = ()) -> str:
     """
     h = hashlib.sha256(_DIGEST_DOMAIN)
     h.update(len(token_ids).to_bytes(8, "little"))
-    h.update(b"".join(int(i).to_bytes(4, "little") for i in token_ids))
+    h.update(ids_bytes(token_ids))
     for m in media:
         h.update(len(m).to_bytes(8, "little"))
         h.update(m)
@@ -121,7 +122,7 @@ def make_prepared_prompt(
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> PreparedPrompt:
     """``images``' digests join ``media`` in the content identity; ``mrope`` is (positions, delta)."""
-    ids = tuple(int(i) for i in token_ids)
+    ids = tuple(map(int, token_ids))
     media = [*media, *(bytes.fromhex(image.digest) for image in images)]
     positions, delta = mrope if mrope is not None else (None, 0)
     return PreparedPrompt(

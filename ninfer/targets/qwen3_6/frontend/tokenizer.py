@@ -3,12 +3,21 @@
 The Qwen3.5/3.6 tokenizer is byte-level BPE with an NFC normaliser and 33 added special tokens.
 Special-token strings inside input text are parsed as the special tokens (as the official tokenizer
 and ``apply_chat_template`` + encode do); no BOS/EOS is ever added.
+
+`tokenizers` takes the added tokens out of a text before anything else runs (for added tokens that are
+not normalised and strip nothing, as all of Qwen's are), and encodes each piece between them on its own.
+So an encoding is the concatenation of its pieces' encodings, and a piece seen before need not be
+encoded again: a chat client resends the whole conversation every turn, and without the piece cache a
+20,000-token history costs about 80 ms of BPE on every turn, in the request's TTFT.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
@@ -30,6 +39,10 @@ SPECIAL_TOKEN_STRINGS: dict[str, str] = {
 # NFC normalisation can shrink text before it is tokenized: three 3-byte Hangul jamo compose to one 3-byte
 # syllable; no composition shrinks more than that
 NFC_MAX_SHRINK = 3
+# pieces (text between added tokens) at least this long are remembered with their ids
+PIECE_CACHE_MIN_CHARS = 64
+# the remembered pieces hold at most this many token ids in all (least recently used go first)
+PIECE_CACHE_TOKENS = 1 << 22
 
 
 class TextTokenizer:
@@ -44,11 +57,58 @@ class TextTokenizer:
         # ids of added tokens marked special: they decode as one unit and are dropped by skip_special_tokens
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._added_text: dict[int, str] = {i: t.content for i, t in added.items()}
+        # the split `tokenizers` makes first (module docstring), where it is a plain string match
+        plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added.values())
+        contents = sorted({t.content for t in added.values()}, key=len, reverse=True)
+        self._added_split = re.compile("|".join(map(re.escape, contents))) if plain and contents else None
+        self._added_id = {t.content: i for i, t in added.items()}
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._piece_tokens = 0
+        self._pieces_lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
+        if self._added_split is None or len(text) < 2 * PIECE_CACHE_MIN_CHARS:
+            return self._encode_batch([text])[0]
+        pieces: list[str | int] = []  # text pieces and added-token ids, in order
+        start = 0
+        for match in self._added_split.finditer(text):
+            if match.start() > start:
+                pieces.append(text[start : match.start()])
+            pieces.append(self._added_id[match.group()])
+            start = match.end()
+        if start < len(text):
+            pieces.append(text[start:])
+        with self._pieces_lock:
+            known = {p: self._pieces[p] for p in pieces if isinstance(p, str) and p in self._pieces}
+            for piece in known:
+                self._pieces.move_to_end(piece)
+        missing = list(dict.fromkeys(p for p in pieces if isinstance(p, str) and p not in known))
+        if missing:
+            fresh = dict(zip(missing, map(tuple, self._encode_batch(missing))))
+            self._remember({p: ids for p, ids in fresh.items() if len(p) >= PIECE_CACHE_MIN_CHARS})
+            known.update(fresh)
+        out: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                out.append(piece)
+            else:
+                out.extend(known[piece])
+        return out
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch releases the GIL while it tokenizes, encode holds it throughout: one long text
         # would stall every other Python thread (the HTTP server's event loop) until it is done
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def _remember(self, pieces: dict[str, tuple[int, ...]]) -> None:
+        with self._pieces_lock:
+            for piece, ids in pieces.items():
+                if piece not in self._pieces and len(ids) <= PIECE_CACHE_TOKENS:
+                    self._pieces[piece] = ids
+                    self._piece_tokens += len(ids)
+            while self._piece_tokens > PIECE_CACHE_TOKENS:
+                _, ids = self._pieces.popitem(last=False)
+                self._piece_tokens -= len(ids)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
