@@ -180,7 +180,9 @@ class EngineConfig:
       the rest KV pages. ``0`` (the default): no host tier, evicted checkpoints are dropped. Not used
       without ``prefix_cache``.
     - ``capture_interval``: prompt tokens between two checkpoints of a long prompt (besides the
-      Frontend's reuse boundaries: the system preamble and the assistant turn starts).
+      Frontend's reuse boundaries: the system preamble and the assistant turn starts). The default is the
+      fast table's prefill unit, so a long prompt's capture points fall on its unit boundaries
+      (docs/resources-and-context-cache.md, "Where checkpoints come from").
     - ``gpu_memory_fraction``: the share of the CUDA device's total memory a generation Engine may hold,
       weights included (vLLM's ``--gpu-memory-utilization``); the shared KV pool takes what is left of it
       after the weights, the working space and the state slots (docs/resources-and-context-cache.md,
@@ -209,7 +211,7 @@ class EngineConfig:
     prefix_cache: bool = True
     cache_memory_gb: float | None = None
     host_cache_gb: float = 0.0
-    capture_interval: int = 4096
+    capture_interval: int = 8192
     gpu_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:

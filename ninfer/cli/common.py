@@ -147,7 +147,7 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="prompt tokens between two checkpoints inside a long prompt (default 4096)",
+        help="prompt tokens between two checkpoints inside a long prompt (default 8192)",
     )
     p.add_argument(
         "--speculative",

@@ -113,7 +113,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     assert (default.prefix_cache, default.cache_memory_gb, default.capture_interval, default.speculative) == (
         True,
         None,
-        4096,
+        8192,
         None,
     )
     assert (given.prefix_cache, given.cache_memory_gb, given.capture_interval, given.speculative) == (

@@ -183,7 +183,8 @@ def test_the_piece_cache_encodes_as_the_whole_text_does(frontend: Frontend) -> N
     assert tokenizer._pieces  # the cache was used
     history = [{"role": "system", "content": CORPUS[0] * 3}]
     for turn, line in enumerate(CORPUS[1:]):
-        history += [{"role": "user", "content": line * 4}, {"role": "assistant", "content": f"{turn} " + line}]
+        history.append({"role": "user", "content": line * 4})
+        history.append({"role": "assistant", "content": f"{turn} " + line})
         text = frontend.render_chat(history, enable_thinking=False)
         assert frontend.encode(text) == whole.encode(text, add_special_tokens=False).ids
 
