@@ -215,30 +215,45 @@ def preprocess_image(image: DecodedImage, config: ImageProcessorConfig) -> Proce
     )
     resized = image.to_pil().resize((width, height), resample=config.resample)
     x: np.ndarray = np.asarray(resized)  # [H, W, 3] uint8
-    if config.do_rescale:
-        x = (x.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    else:
-        x = x.astype(np.float32)
-    if config.do_normalize:
-        mean = np.asarray(config.image_mean, dtype=np.float32)
-        std = np.asarray(config.image_std, dtype=np.float32)
-        x = (x - mean) / std
-    pixel_values = _patchify(x, config)
+    # steps 3 and 4 in the other order: the patches are cut from the uint8 pixels (a quarter of the bytes
+    # to move), and each value then looked up in a table of step 3 applied to every (channel, level)
+    # pair: the same float operations on the same inputs, so the same floats
+    patches = _patchify(x, config)  # [N, C, P, P] uint8
+    channels = patches.shape[1]
+    levels = patches.astype(np.uint16)
+    levels += (np.arange(channels, dtype=np.uint16) * 256)[:, None, None]
+    values = _normalized_levels(config, channels).reshape(-1)[levels]  # [N, C, P, P] float32
+    n, t, p = len(values), config.temporal_patch_size, config.patch_size
+    frames = np.broadcast_to(values[:, :, None], (n, channels, t, p, p))  # the still image over T frames
+    pixel_values = np.ascontiguousarray(frames.reshape(n, channels * t * p * p))
     pixel_values.setflags(write=False)
     grid = (1, height // config.patch_size, width // config.patch_size)
     return ProcessedImage(pixel_values, grid, image_digest(image, config))
 
 
+def _normalized_levels(config: ImageProcessorConfig, channels: int) -> np.ndarray:
+    """[C, 256] float32: step 3 of every uint8 level in each channel (module docstring)."""
+    x = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 256)).T  # [256, C], as pixels are
+    if config.do_rescale:
+        y = (x.astype(np.float64) * config.rescale_factor).astype(np.float32)
+    else:
+        y = x.astype(np.float32)
+    if config.do_normalize:
+        mean = np.asarray(config.image_mean, dtype=np.float32)
+        std = np.asarray(config.image_std, dtype=np.float32)
+        y = (y - mean) / std
+    return np.ascontiguousarray(y.T, dtype=np.float32)
+
+
 def _patchify(x: np.ndarray, config: ImageProcessorConfig) -> np.ndarray:
-    """[H, W, C] -> [gh*gw, C*T*P*P] in merge-block row order, each row (c, t, py, px)."""
+    """[H, W, C] -> [gh*gw, C, P, P] in merge-block row order (block_row, block_col, in_row, in_col)."""
     height, width, channels = x.shape
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    p, m = config.patch_size, config.merge_size
     gh, gw = height // p, width // p
     blocks = x.reshape(gh // m, m, p, gw // m, m, p, channels)
     # (block_row, block_col, in_row, in_col, c, py, px)
     blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
-    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-    return np.ascontiguousarray(frames.reshape(gh * gw, channels * t * p * p), dtype=np.float32)
+    return np.ascontiguousarray(blocks.reshape(gh * gw, channels, p, p))
 
 
 def _int(value: Any, name: str) -> int:
