@@ -154,7 +154,7 @@ def render(timeline: Timeline, compiles: list[tuple[float, str]], t0: float) -> 
 
 def main(argv: list[str] | None = None) -> int:
     from ninfer.bench.serving import ServingPlan, run_engine
-    from ninfer.cli.bench_serving import _engine_options
+    from ninfer.cli.bench_serving import engine_options
     from ninfer.cli.main import build_parser
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gc.callbacks.append(timeline.gc_callback)
     try:
-        report = run_engine(_engine_options(args, plan), plan, log=timeline.log, on_start=attach)
+        report = run_engine(engine_options(args, plan), plan, log=timeline.log, on_start=attach)
     finally:
         gc.callbacks.remove(timeline.gc_callback)
     timeline.close(time.perf_counter())

@@ -134,14 +134,14 @@ def run_serving(args: argparse.Namespace) -> int:
             server = HttpServer(args.server, api_key=args.api_key or os.environ.get(API_KEY_ENV))
             report = run_http(server, plan, args.seed, log=log)
         else:
-            report = run_engine(_engine_options(args, plan), plan, log=log)
+            report = run_engine(engine_options(args, plan), plan, log=log)
     except (OSError, ValueError, BenchError, ArtifactError, PackageMismatch, NInferError) as e:
         return fail(" ".join(str(e).split()))
     print(json.dumps(report.to_json()) if args.json else render(report))
     return 0
 
 
-def _engine_options(args: argparse.Namespace, plan: object) -> object:
+def engine_options(args: argparse.Namespace, plan: object) -> object:
     """`BenchOptions` for the in-process run: the bench's Engine flags, one request shape."""
     from ninfer.bench.drive import BenchPlan
     from ninfer.cli.common import bench_options, split_artifact

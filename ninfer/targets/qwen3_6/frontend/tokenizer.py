@@ -61,7 +61,7 @@ class TextTokenizer:
         plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added.values())
         contents = sorted({t.content for t in added.values()}, key=len, reverse=True)
         self._added_split = re.compile("|".join(map(re.escape, contents))) if plain and contents else None
-        self._added_id = {t.content: i for i, t in added.items()}
+        self._added_id = {content: i for i, content in self._added_text.items()}
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._piece_tokens = 0
         self._pieces_lock = threading.Lock()
