@@ -3,6 +3,9 @@
     python3 -m tools.serving_timeline PACKAGE [--concurrency 4] [--prompt-tokens 1024] [--max-tokens 128]
                                       [--requests 2] [--json FILE] [BENCH FLAGS...]
 
+Every flag but PACKAGE and ``--json`` is `ninfer bench`'s; ``--concurrency`` and ``--requests``
+default to 4 and 2 here.
+
 Runs ``ninfer bench --synthetic PACKAGE --concurrency ...`` in-process (the serving workload of
 `ninfer.bench.serving`, the same Engine settings), with an EngineCore observer that stamps every unit
 as the worker starts it (kind, rows, prefill tokens). A unit's interval is the time to the next unit's
@@ -153,39 +156,21 @@ def render(timeline: Timeline, compiles: list[tuple[float, str]], t0: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ninfer.bench.serving import ServingPlan, run_engine
-    from ninfer.cli.bench_serving import engine_options
+    from ninfer.bench.serving import run_engine
+    from ninfer.cli.bench_serving import engine_options, flag_problem, serving_plan
     from ninfer.cli.main import build_parser
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("package")
-    p.add_argument("--concurrency", default="4")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--requests", type=int, default=2)
     p.add_argument("--json", default=None, help="write every unit, GC pause and compile here")
-    a, extra = p.parse_known_args(argv)  # the rest: more `ninfer bench` flags (Engine settings)
-    bench_argv = [
-        "bench",
-        "--synthetic",
-        a.package,
-        "--concurrency",
-        a.concurrency,
-        "--prompt-tokens",
-        str(a.prompt_tokens),
-        "--max-tokens",
-        str(a.max_tokens),
-        "--requests",
-        str(a.requests),
-        *extra,
-    ]
+    a, flags = p.parse_known_args(argv)  # the rest: `ninfer bench` serving and Engine flags
+    # this tool's defaults first: a flag given again later wins
+    bench_argv = ["bench", "--synthetic", a.package, "--concurrency", "4", "--requests", "2", *flags]
     args = build_parser(only="bench").parse_args(bench_argv)
-    plan = ServingPlan(
-        concurrency=tuple(int(c) for c in a.concurrency.split(",")),
-        prompt_tokens=a.prompt_tokens,
-        max_tokens=a.max_tokens,
-        requests_per_stream=a.requests,
-    )
+    problem = flag_problem(args)
+    if problem is not None:
+        raise SystemExit(f"serving_timeline: {problem}")
+    plan = serving_plan(args)
     timeline = Timeline()
     wall_start, perf_start = time.time(), time.perf_counter()
 

@@ -10,8 +10,12 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ninfer.cli.common import comma_ints, fail, positive_int
+
+if TYPE_CHECKING:
+    from ninfer.bench.serving import ServingPlan
 
 API_KEY_ENV = "NINFER_API_KEY"  # the variable `ninfer serve` reads its key from
 DEFAULT_CONCURRENCY = (1, 4, 8)
@@ -111,23 +115,30 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_serving(args: argparse.Namespace) -> int:
-    from ninfer.artifact.errors import ArtifactError
-    from ninfer.bench.drive import BenchError
-    from ninfer.bench.serving import HttpServer, ServingPlan, render, run_engine, run_http
-    from ninfer.targets.registry import PackageMismatch
-    from ninfer.types import NInferError
+def serving_plan(args: argparse.Namespace) -> ServingPlan:
+    """The workload the serving flags describe."""
+    from ninfer.bench.serving import ServingPlan
 
-    problem = flag_problem(args)
-    if problem is not None:
-        return fail(problem)
-    plan = ServingPlan(
+    return ServingPlan(
         concurrency=args.concurrency or DEFAULT_CONCURRENCY,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         requests_per_stream=args.requests,
         duration_s=args.duration,
     )
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    from ninfer.artifact.errors import ArtifactError
+    from ninfer.bench.drive import BenchError
+    from ninfer.bench.serving import HttpServer, render, run_engine, run_http
+    from ninfer.targets.registry import PackageMismatch
+    from ninfer.types import NInferError
+
+    problem = flag_problem(args)
+    if problem is not None:
+        return fail(problem)
+    plan = serving_plan(args)
     log = lambda line: print(f"ninfer bench: {line}", file=sys.stderr)  # noqa: E731
     try:
         if args.server is not None:

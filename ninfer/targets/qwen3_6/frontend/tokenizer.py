@@ -59,9 +59,9 @@ class TextTokenizer:
         self._added_text: dict[int, str] = {i: t.content for i, t in added.items()}
         # the split `tokenizers` makes first (module docstring), where it is a plain string match
         plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added.values())
-        contents = sorted({t.content for t in added.values()}, key=len, reverse=True)
-        self._added_split = re.compile("|".join(map(re.escape, contents))) if plain and contents else None
         self._added_id = {content: i for i, content in self._added_text.items()}
+        contents = sorted(self._added_id, key=len, reverse=True)
+        self._added_split = re.compile("|".join(map(re.escape, contents))) if plain and contents else None
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._piece_tokens = 0
         self._pieces_lock = threading.Lock()
