@@ -149,6 +149,10 @@ class EngineConfig:
       many milliseconds; with nothing decoding a chunk is ``prefill_chunk_tokens`` again. ``0`` turns
       it off; ``None`` takes `default_decode_gap_ms` of the op table (docs/engine.md, "Prefill pacing").
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
+    - ``prefill_graph_tokens``: with ``cuda_graphs`` and the fast op table, a one-row text prefill chunk
+      of up to this many tokens replays piecewise CUDA graphs (capacities 64, 128, ...; the chunk laid
+      out at the smallest that holds it) instead of paying ~100 ms of Python launches; ``0``: every
+      chunk eager (docs/engine.md, "Prefill graphs").
     - ``decode_lookahead``: the Program queues the decode after each decode before the Engine has
       committed the first, so the GPU runs it while the worker commits and publishes (SGLang's overlap
       scheduling, vLLM's async scheduling; docs/engine.md). Costs one more recurrent-state slot per lane
@@ -200,6 +204,7 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     max_decode_gap_ms: float | None = None
     cuda_graphs: bool = True
+    prefill_graph_tokens: int = 1024
     decode_lookahead: bool | None = None
     warmup: bool = True
     kernels: Literal["auto", "reference", "fast"] = "auto"
@@ -222,6 +227,8 @@ class EngineConfig:
         host = self.host_cache_gb
         if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < float("inf"):
             raise ValueError(f"host_cache_gb must be a number of GB >= 0, got {self.host_cache_gb!r}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0 (0: off), got {self.prefill_graph_tokens}")
         if self.capture_interval < 1:
             raise ValueError(f"capture_interval must be >= 1, got {self.capture_interval}")
         spec = parse_speculative(self.speculative)  # raises ValueError naming what is wrong

@@ -12,7 +12,7 @@
 # (HOSTROUND_BATCH), mtpdiag (tools/mtp_diagnose: where MTP parts from plain decoding; DIAG_ARGS), skinny,
 # chain (GEMV tiles timed back to back, as in the graph; chain8: eight rows, CHAIN_SHAPES), graphlaunch,
 # pdlprofile, pdloff8, chunk8k, interfere27/35 (bench --interference IF_TOKENS: streams' gaps while a long
-# prompt arrives, pacing on and off),
+# prompt arrives, pacing on and off; IF_ARGS),
 # start27: a synthetic full-size 27B artifact loaded by bench), multiturn27/35 (a 10-turn agent conversation
 # through the context cache, 2,048 new tokens a turn; MT_TIMEOUT, MT_ARGS), image27/35 (the vision tower and
 # one-image TTFT at 448^2, 1024^2, 2048^2; IMAGE_TIMEOUT, IMAGE_ARGS), context27/35 (the long-context decode at
@@ -30,6 +30,8 @@
 # one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
 # knownsweep27/35 (the same with KNOWN, default known:1@1.9,known:2@2.4,known:3@2.8, at B = 1: the per-stream
 # speed at the published acceptance).
+# LOG_TAG: a suffix of the step's log and JSON names (two invocations of one step in one call, e.g. with
+# IF_ARGS / TL_ARGS="--prefill-graph-tokens 0" and without).
 # Each call is cut at 10 minutes: put the step that must finish first. The device returns at most 8 files:
 # every step's log and JSON go to a work folder, packed after each step into $OUT/results.tgz (what a cut
 # call finished comes back). TRITON_CACHE_DIR defaults to the ignored .tcache/, which a warm machine keeps
@@ -108,10 +110,10 @@ for step in "$@"; do
     moesweep) timeout 200 python3 -m tools.kernel_bench.fused_moe --sweep ;;
     bench35) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 2 ${BENCH_ARGS:-} > "$OUT/bench35${BENCH_TAG:-}.json" ;;
     bench27) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 2 ${BENCH_ARGS:-} > "$OUT/bench27${BENCH_TAG:-}.json" ;;
-    bench35plain) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench35plain.json" ;;
-    bench27plain) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench27plain.json" ;;
-    bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35.json" ;;
-    bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27.json" ;;
+    bench35plain) timeout ${BENCH_TIMEOUT:-400} $BENCH --synthetic qwen3_6_35b_a3b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench35plain${LOG_TAG:-}.json" ;;
+    bench27plain) timeout ${BENCH_TIMEOUT:-500} $BENCH --synthetic qwen3_6_27b --batch 1,8 --decode-steps 32 --prefill-repeats 1 --no-decode-lookahead > "$OUT/bench27plain${LOG_TAG:-}.json" ;;
+    bench35full) timeout 500 $BENCH --synthetic qwen3_6_35b_a3b > "$OUT/bench35${LOG_TAG:-}.json" ;;
+    bench27full) timeout 550 $BENCH --synthetic qwen3_6_27b > "$OUT/bench27${LOG_TAG:-}.json" ;;
     profile35) timeout 300 python3 -m tools.profile_step qwen3_6_35b_a3b ;;
     profile35pdloff) NINFER_PDL=0 timeout 200 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 256 ;;
     profile27) timeout 300 python3 -m tools.profile_step qwen3_6_27b ;;
@@ -145,20 +147,20 @@ for step in "$@"; do
     gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -m gpu -p no:cacheprovider -v -rs --durations=8 tests/gpu ;;
     prefilldetail) timeout 120 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 2048,8192 --prefill-detail;
         timeout 120 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1,8 --prefill 2048,8192 --prefill-detail ;;
-    pdloff8) NINFER_PDL=0 timeout 200 $BENCH --synthetic qwen3_6_27b --batch 8 --decode-steps 32 --prefill-repeats 1 > "$OUT/pdloff8.json" ;;
+    pdloff8) NINFER_PDL=0 timeout 200 $BENCH --synthetic qwen3_6_27b --batch 8 --decode-steps 32 --prefill-repeats 1 > "$OUT/pdloff8${LOG_TAG:-}.json" ;;
     start27) rm -f /tmp/q27.ninfer; timeout 300 python3 -m tools.synthetic_artifact qwen3_6_27b /tmp/q27.ninfer \
         && cat /tmp/q27.ninfer > /dev/null \
-        && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27.json" ;;
+        && timeout 250 $BENCH /tmp/q27.ninfer --batch 1 --decode-steps 16 --prefill-repeats 1 > "$OUT/start27${LOG_TAG:-}.json" ;;
     pdlprofile) for p in 0 1; do NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_27b --batch 1 --prefill 256; NINFER_PDL=$p timeout 150 python3 -m tools.profile_step qwen3_6_35b_a3b --batch 1 --prefill 256; done ;;
-    chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27.json" ;;
-    interfere27) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --interference ${IF_TOKENS:-32768} --streams 4 > "$OUT/interfere27.json" ;;
-    interfere35) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --interference ${IF_TOKENS:-32768} --streams 4 > "$OUT/interfere35.json" ;;
-    multiturn27) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn27.json" ;;
-    multiturn35) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn35.json" ;;
-    image27) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image27.json" ;;
-    image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35.json" ;;
-    context27) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_27b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context27.json" ;;
-    context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35.json" ;;
+    chunk8k) timeout 300 $BENCH --synthetic qwen3_6_35b_a3b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k35${LOG_TAG:-}.json" && timeout 300 $BENCH --synthetic qwen3_6_27b --batch 1 --decode-steps 16 --prefill-chunk 8192 > "$OUT/chunk8k27${LOG_TAG:-}.json" ;;
+    interfere27) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --interference ${IF_TOKENS:-32768} --streams 4 ${IF_ARGS:-} > "$OUT/interfere27${LOG_TAG:-}.json" ;;
+    interfere35) timeout ${IF_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --interference ${IF_TOKENS:-32768} --streams 4 ${IF_ARGS:-} > "$OUT/interfere35${LOG_TAG:-}.json" ;;
+    multiturn27) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn27${LOG_TAG:-}.json" ;;
+    multiturn35) timeout ${MT_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --multi-turn 10 --turn-tokens 2048 ${MT_ARGS:-} > "$OUT/multiturn35${LOG_TAG:-}.json" ;;
+    image27) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_27b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image27${LOG_TAG:-}.json" ;;
+    image35) timeout ${IMAGE_TIMEOUT:-300} $BENCH --synthetic qwen3_6_35b_a3b --image 448x448,1024x1024,2048x2048 ${IMAGE_ARGS:-} > "$OUT/image35${LOG_TAG:-}.json" ;;
+    context27) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_27b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context27${LOG_TAG:-}.json" ;;
+    context35) timeout ${CTX_TIMEOUT:-580} $BENCH --synthetic qwen3_6_35b_a3b --context 32768,131072,262144 --batch 1,8 --decode-steps 16 --prefill-tokens 131072 --prefill-repeats 1 ${CTX_ARGS:-} > "$OUT/context35${LOG_TAG:-}.json" ;;
     mtpsweep27|mtpsweep35|knownsweep27|knownsweep35)
         pkg=qwen3_6_27b; [ "${step: -2}" = 35 ] && pkg=qwen3_6_35b_a3b
         if [ "${step:0:3}" = mtp ]; then specs=${SWEEP_SPECS:-off,mtp:1,mtp:2,mtp:3,mtp:4}; batch=${SWEEP_BATCH:-1,2,4,8}; extra=${SWEEP_ARGS:-}
@@ -170,16 +172,16 @@ for step in "$@"; do
     servetimeline27|servetimeline35)
         pkg=qwen3_6_27b; [ "${step: -2}" = 35 ] && pkg=qwen3_6_35b_a3b
         timeout ${TL_TIMEOUT:-300} python3 -m tools.serving_timeline $pkg --concurrency ${SERVE_CONCURRENCY:-1,4} \
-          --requests ${SERVE_REQUESTS:-2} --json "$OUT/$step.json" ${TL_ARGS:-} ;;
+          --requests ${SERVE_REQUESTS:-2} --json "$OUT/$step${LOG_TAG:-}.json" ${TL_ARGS:-} ;;
     prefillhost27) timeout 200 python3 -m tools.prefill_host qwen3_6_27b ${PH_ARGS:-} ;;
     prefillhost35) timeout 200 python3 -m tools.prefill_host qwen3_6_35b_a3b ${PH_ARGS:-} ;;
     serve27) serve_step qwen3_6_27b serve27 ;;
     serve35) serve_step qwen3_6_35b_a3b serve35 ;;
     servetiny) serve_step qwen3_6_tiny servetiny ;;
     *) echo "unknown step $step"; continue ;;
-  esac > "$OUT/$step.log" 2>&1
+  esac > "$OUT/$step${LOG_TAG:-}.log" 2>&1
   rc=$?
-  echo "== $step rc=$rc $(( $(date +%s) - t0 ))s, $(( $(kernels) - k0 )) kernels compiled :: $(tail -c 600 "$OUT/$step.log" | tr '\n' ' ' | tail -c 400)"
+  echo "== $step rc=$rc $(( $(date +%s) - t0 ))s, $(( $(kernels) - k0 )) kernels compiled :: $(tail -c 600 "$OUT/$step${LOG_TAG:-}.log" | tr '\n' ' ' | tail -c 400)"
   # which kernels the step compiled, by name (a step that compiles mid-measurement shows it here)
   find "$TRITON_CACHE_DIR" -mindepth 2 -name '*.json' ! -name '__grp__*' -newer "$OUT/.$step.start" -printf '%f\n' 2>/dev/null \
     | sed 's/\.json$//' | sort | uniq -c | sort -rn > "$OUT/$step.compiled"

@@ -50,6 +50,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: bool = True
+    prefill_graph_tokens: int = 1024  # EngineConfig.prefill_graph_tokens
     decode_lookahead: bool | None = None  # EngineConfig.decode_lookahead
     kernels: str = "auto"  # EngineConfig.kernels
     speculative: str | None = None  # EngineConfig.speculative
@@ -101,6 +102,7 @@ def engine_config(options: BenchOptions, long_plan: LongContextPlan | None = Non
         dtype=options.dtype,  # type: ignore[arg-type]
         prefill_chunk_tokens=plan.prefill_chunk,
         cuda_graphs=options.cuda_graphs,
+        prefill_graph_tokens=options.prefill_graph_tokens,
         decode_lookahead=options.decode_lookahead,
         kernels=options.kernels,  # type: ignore[arg-type]
         speculative=options.speculative,
@@ -349,6 +351,7 @@ def build_report(
             "prefill_chunk": plan.prefill_chunk,
             "max_context": plan.max_context,
             "cuda_graphs": options.cuda_graphs and started.device.type == "cuda",
+            "prefill_graph_tokens": options.prefill_graph_tokens,
             "decode_lookahead": resolve_lookahead(options.decode_lookahead, started.device),
             "kernels": resolve_kernels(started.device, options.kernels),
             "speculative": options.speculative,

@@ -19,6 +19,7 @@ import sys
 
 from ninfer.cli.bench_serving import add_serving_flags, run_serving, serving_mode
 from ninfer.cli.common import (
+    add_graph_flags,
     add_kernels_flag,
     add_lookahead_flag,
     add_memory_flag,
@@ -124,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="compute dtype (auto: float32 on CPU; on GPU the artifact's storage dtype, bf16 if synthetic)",
     )
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_graph_flags(p)
     add_memory_flag(p)
     add_lookahead_flag(p)
     add_kernels_flag(p)

@@ -24,9 +24,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "that long fits in the KV pool, else the most that fits; on CPU 32,768)",
     )
     add_memory_flag(p)
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on CUDA")
+    add_graph_flags(p)
     add_lookahead_flag(p)
     add_kernels_flag(p)
+
+
+def add_graph_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode and prefill eagerly on CUDA")
+    p.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="one-row prefill chunks of up to N tokens replay CUDA graphs (EngineConfig.prefill_graph_tokens;"
+        " 0: eager)",
+    )
 
 
 def add_memory_flag(p: argparse.ArgumentParser) -> None:
@@ -91,6 +103,7 @@ def bench_options(args: argparse.Namespace, plan: Any, artifact: str | None, *, 
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=not args.no_cuda_graphs,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         # `ninfer bench --speculative` is a list (a sweep over backends); the options carry the first
@@ -268,6 +281,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_context=args.max_context,
         cuda_graphs=not args.no_cuda_graphs,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         warmup=False,

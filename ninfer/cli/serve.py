@@ -289,6 +289,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "device": args.device,
         "dtype": args.dtype,
         "cuda_graphs": not args.no_cuda_graphs,
+        "prefill_graph_tokens": args.prefill_graph_tokens,
         "decode_lookahead": decode_lookahead(args),
         "kernels": args.kernels,
     }

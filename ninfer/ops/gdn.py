@@ -226,6 +226,8 @@ def gdn_prefill(
 ) -> Tensor:  # fmt: skip
     """Rows of any length (their projections given) -> o [N, nv, dv] fp32: per row causal conv + chunked
     delta rule (one-token rows take the step path); each row's final state written to its slot."""
+    if step.padded:
+        raise ValueError("a padded step (a prefill graph's capacity) runs the fast GDN prefill only")
     conv_in, rec_in = _gathered_states(step, conv_slots, rec_slots)
     bounds = step.query_bounds()
     outputs, conv_states, rec_states = [], [], []
@@ -298,7 +300,10 @@ def fast_gdn_prefill(
 ) -> Tensor:  # fmt: skip
     """fla-core varlen conv and chunked delta rule over all rows at once (gating and l2norm in-kernel).
 
-    Returns o in the model dtype (fla's output; the gated norm casts to it first anyway)."""
+    Returns o in the model dtype (fla's output; the gated norm casts to it first anyway). A padded step
+    (a prefill graph's capacity) gives fla the real bounds on the device and the capacity's chunk table:
+    the chunks past the bound are empty, the final states are the last real token's, and the padding's
+    output rows are zeros."""
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
@@ -334,4 +339,7 @@ def fast_gdn_prefill(
     )
     conv_slots.index_copy_(0, step.state_out, conv_final[..., 1:].to(conv_slots.dtype))
     rec_slots.index_copy_(0, step.state_out, rec_final.float())
+    if step.padded:  # fla writes no output row past the device bound: the padding's stays as allocated
+        pad = torch.arange(o.shape[1], device=o.device) >= step.query_start[-1]
+        o[0].masked_fill_(pad[:, None, None], 0)
     return o[0]

@@ -43,6 +43,9 @@ class StepFacts(Protocol):
     def num_rows(self) -> int: ...
 
     @property
+    def padded(self) -> bool: ...  # tokens from query_start[-1] on are padding (a prefill graph's capacity)
+
+    @property
     def memo(self) -> dict[str, object]: ...  # made once per step, shared by its layers
 
     def query_bounds(self) -> list[int]: ...  # query_start on the host (no device read when known)

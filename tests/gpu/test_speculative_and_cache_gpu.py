@@ -1,12 +1,5 @@
 """MTP decoding and the context cache on CUDA (the fast op table, CUDA graphs), against plain cold
-decoding on the same device and in the same dtype.
-
-Sums depend on the step's shape (a verify of K + 1 positions, a prefill that starts at a checkpoint), so
-two exact runs may part at a near tie: each comparison checks that the tokens agree up to the first
-position where plain decoding's two best tokens are within ``NEAR_TIE[dtype]`` nats, and are equal where
-they never come that close. In fp32 the shapes move logits by about 1e-6, so only true ties may part; in
-bf16 by about 1e-2 of their size (logits of order 10), so the margin is wider there.
-"""
+decoding on the same device and in the same dtype, up to near ties (`near_tie.assert_agree`)."""
 
 from __future__ import annotations
 
@@ -14,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from near_tie import assert_agree
 
 from ninfer import Engine, EngineConfig, GenerationRequest, GenerationResult
 from ninfer.cli.common import bundled_artifact
@@ -22,7 +16,6 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.25}
 TEXTS = [
     "def fibonacci(n):\n    ",
     "import numpy as np\nimport",
@@ -43,17 +36,6 @@ def _run(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationRe
     return [h.result() for h in handles]
 
 
-def _agree(got: GenerationResult, want: GenerationResult, dtype: str) -> None:
-    assert want.logprobs is not None
-    for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
-        if a != b:
-            top = want.logprobs[i].top
-            margin = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
-            assert margin < NEAR_TIE[dtype], f"token {i}: {a} != {b} with a margin of {margin:.3f} nats"
-            return
-    assert len(got.token_ids) == len(want.token_ids)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_decodes_the_plain_tokens_on_cuda(k: int, dtype: str) -> None:
@@ -67,7 +49,7 @@ def test_mtp_decodes_the_plain_tokens_on_cuda(k: int, dtype: str) -> None:
         mtp = _run(engine, requests)
         backend = engine.core.program.backend
     for a, b in zip(mtp, plain):
-        _agree(a, b, dtype)
+        assert_agree(a, b, dtype)
     assert backend.accepted > 0  # type: ignore[attr-defined]
     assert backend.graph_replays > 0  # type: ignore[attr-defined]  # the rounds' MTP work ran as graphs
     assert sum(r.usage.accepted_draft_tokens for r in mtp) > 0
@@ -83,15 +65,19 @@ def test_a_shortlist_draft_head_decodes_the_plain_tokens_on_cuda() -> None:
     with _engine(bundled_artifact(), "float32", prefix_cache=False, **shortlist) as engine:
         mtp = _run(engine, requests)
     for a, b in zip(mtp, plain):
-        _agree(a, b, "float32")
+        assert_agree(a, b, "float32")
     assert sum(r.usage.accepted_draft_tokens for r in mtp) > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reused_turns_decode_the_cold_tokens_on_cuda(tiny_artifact: Path, dtype: str) -> None:
+    """The reused turns' suffixes run as prefill graphs (the default), the cold run's chunks eagerly
+    (``prefill_graph_tokens=0``): reuse and the graphs' padding against plain cold prefill at once."""
+
     def conversation(cache: bool, replies: list[str] | None = None) -> list[GenerationResult]:
         """Four turns; the history holds ``replies`` where given (the cold run's: the same prompts)."""
-        with _engine(tiny_artifact, dtype, prefix_cache=cache, capture_interval=128) as engine:
+        graphs = {} if cache else {"prefill_graph_tokens": 0}
+        with _engine(tiny_artifact, dtype, prefix_cache=cache, capture_interval=128, **graphs) as engine:
             messages = [{"role": "system", "content": "You answer briefly. " * 20}]
             out = []
             for turn in range(4):
@@ -111,7 +97,7 @@ def test_reused_turns_decode_the_cold_tokens_on_cuda(tiny_artifact: Path, dtype:
     warm = conversation(True, [r.text for r in cold])
     assert all(r.usage.reused_prefix_tokens > 0 for r in warm[1:])
     for a, b in zip(warm, cold):
-        _agree(a, b, dtype)
+        assert_agree(a, b, dtype)
 
 
 def test_turns_continued_from_the_host_tier_decode_the_cold_tokens_on_cuda(tiny_artifact: Path) -> None:
@@ -149,7 +135,7 @@ def test_turns_continued_from_the_host_tier_decode_the_cold_tokens_on_cuda(tiny_
     assert stats.offloads > 0 and stats.restores > 0, stats  # type: ignore[attr-defined]
     assert all(r.usage.reused_prefix_tokens > 0 for r in warm[2:])
     for a, b in zip(warm, cold):
-        _agree(a, b, "float32")
+        assert_agree(a, b, "float32")
         assert a.logprobs is not None and b.logprobs is not None
         for x, y in zip(a.logprobs, b.logprobs):
             if x.token_id != y.token_id:

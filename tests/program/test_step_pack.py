@@ -4,6 +4,7 @@ p % page_size)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -118,3 +119,44 @@ def test_fused_unpack_needs_cuda_tables_and_is_off_by_default() -> None:
     with pytest.raises(ValueError, match="fused_unpack needs the block tables on CUDA"):
         StepBuilder(PAGE, torch.zeros(2, 4, dtype=torch.int32), fused_unpack=True)
     assert not StepBuilder(PAGE, torch.zeros(2, 4, dtype=torch.int32)).fused_unpack
+
+
+def test_a_chunk_laid_out_at_a_capacity_keeps_its_facts_and_pads_after_them() -> None:
+    """`padded_values` (a prefill graph's input): the chunk's fields unchanged and in order, then padding
+    tokens that write no KV (slot -1); the row's bounds and context stay the chunk's, and the unpacked
+    step is `padded` with the capacity's token count."""
+    pages = [5, 2, 9, 4]
+    builder = StepBuilder(PAGE, torch.zeros(3, 40, dtype=torch.int32))
+    seq = _seq(11, pages, 1)
+    chunk = [300 + t for t in range(13)]
+    packed = builder.pack([seq], [chunk], state_out=[seq.spare])
+    values = StepBuilder.padded_values(packed, 32)
+    want = packed.fields()
+    capacity = dataclasses.replace(
+        packed, values=torch.tensor(values), num_tokens=32, query_start_host=(0, 32), padded=True
+    )
+    got = capacity.fields()
+    assert got.token_ids.tolist() == chunk + [0] * 19
+    assert got.positions.tolist() == list(range(11, 43))
+    assert got.slot_mapping.tolist() == want.slot_mapping.tolist() + [-1] * 19
+    assert got.query_start.tolist() == [0, 13]
+    assert got.context_lens.tolist() == [24]
+    for name in ("state_in", "state_out", "fresh", "sequence_index"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist()
+    batch = builder.unpack(capacity)
+    assert batch.padded and batch.num_tokens == 32 and batch.query_bounds() == [0, 32]
+    assert batch.query_start.tolist() == [0, 13]
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        StepBuilder.padded_values(packed, 8)
+    two = builder.pack([seq, _seq(0, pages, 2)], [chunk, chunk], state_out=[1, 2])
+    with pytest.raises(ValueError, match="one text row"):
+        StepBuilder.padded_values(two, 32)
+
+
+def test_the_capture_placeholder_is_a_fresh_row_on_page_zero() -> None:
+    packed = StepBuilder.placeholder_chunk(16, PAGE, 3, torch.device("cpu"))
+    f = packed.fields()
+    assert packed.padded and packed.num_tokens == 16 and packed.query_start_host == (0, 16)
+    assert f.slot_mapping.tolist() == [i % PAGE for i in range(16)]
+    assert f.query_start.tolist() == [0, 16] and f.context_lens.tolist() == [16]
+    assert f.state_in.tolist() == f.state_out.tolist() == [3] and f.fresh.tolist() == [1]

@@ -15,7 +15,10 @@ would only multiply the gaps: the room is then the smallest measured cost with `
 chunk the largest that costs about as little. It moves one size at a time: down while every measured
 size is over the room, up to a size not yet measured while the largest fitting one fits, and back up to
 a size found too dear every ``REPROBE`` chunks (its cost depends on the context the chunk attends to,
-which changes from prompt to prompt).
+which changes from prompt to prompt). Where a size keeps the bound, a larger one is tried only if the
+line through the costs of that size and the one below it (a fixed cost plus a cost per token) predicts
+that it keeps it too, so that the probes themselves do not break the bound (the largest gap is what a
+user sees); the size below is run once to measure that line.
 
 Costs are learned from the gaps the worker sees between decode commits (on the Engine's clock): a
 round alone, and a round with one prefill chunk before it (the gap less a round is the chunk's cost,
@@ -65,6 +68,7 @@ class PrefillPacer:
         smallest = min(self.cost_s)
         if self.cost_s[smallest] > room and smallest > self.sizes[0]:
             return self._below(smallest)  # nothing measured fits yet: try a smaller chunk
+        bound_met = min(self.cost_s.values()) <= room
         room = max(room, FLOOR_SLACK * min(self.cost_s.values()))
         fitting = [size for size, cost in self.cost_s.items() if cost <= room]
         if not fitting:
@@ -73,6 +77,12 @@ class PrefillPacer:
         if best == self.full_chunk:
             return best
         above = self.sizes[self.sizes.index(best) + 1]
+        if bound_met:  # a chunk keeps the bound: try a larger one only where it is predicted to keep it too
+            predicted = self._predicted(best, above)
+            if predicted is None:
+                return self._below(best)  # one chunk below, for the slope the prediction needs
+            if predicted > room:
+                return best
         if above not in self.cost_s:
             return above  # not measured yet: it may cost hardly more (the fixed cost dominates)
         self._held += 1
@@ -80,6 +90,20 @@ class PrefillPacer:
             self._held = 0
             return above
         return best
+
+    def _predicted(self, best: int, above: int) -> float | None:
+        """The cost of ``above`` extrapolated along the line through ``best`` and the size below it (a
+        fixed cost plus a cost per token; the attention's share grows with the prefix, and the two
+        measured costs grow with it). None when the size below is not measured; the smallest size, whose
+        slope cannot be measured, is predicted to cost what it costs."""
+        i = self.sizes.index(best)
+        if i == 0:
+            return self.cost_s[best]
+        below = self.sizes[i - 1]
+        if below not in self.cost_s:
+            return None
+        slope = max(0.0, (self.cost_s[best] - self.cost_s[below]) / (best - below))
+        return self.cost_s[best] + slope * (above - best)
 
     def _below(self, size: int) -> int:
         return self.sizes[self.sizes.index(size) - 1]

@@ -268,6 +268,14 @@ def fast_kernels() -> Kernels:
     )
 
 
+def fla_available() -> bool:
+    """fla-core (the `gpu` extra) is importable: the fast table's GDN prefill is fla's, which a prefill
+    graph's padded chunk needs (`gdn.fast_gdn_prefill`)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
 def kernels_name(device: torch.device, requested: str = "auto") -> str:
     """Which table ``requested`` means on ``device`` (`ninfer.targets.open.resolve_kernels`)."""
     from ninfer.targets.open import resolve_kernels

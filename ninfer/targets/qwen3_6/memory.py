@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from ninfer.targets.open import prefill_unit, resolve_kernels
+from ninfer.targets.qwen3_6.kernels import fla_available
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.types import EngineConfig
@@ -164,10 +165,16 @@ class MemoryPlan:
 
 def working_space(config: EngineConfig, device: torch.device, max_image_tokens: int) -> int:
     """Bytes to leave free beside the state whatever the context: activations (they grow with the prefill
-    unit), sampling and graph pools, 2 GiB per 2048-token unit; the vision tower's, about 32 KiB per patch
+    unit), sampling and graph pools, 2 GiB per 2048-token unit, as much again per 2048 tokens of the
+    largest prefill graph (its pool and the layers' q it keeps); the vision tower's, about 32 KiB per patch
     (4 patches per image token) at its widest layer."""
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
-    return UNIT_WORKING_BYTES * max(1, -(-chunk // 2048)) + max_image_tokens * VISION_BYTES_PER_IMAGE_TOKEN
+    fast_graphs = config.cuda_graphs and resolve_kernels(device, config.kernels) == "fast" and fla_available()
+    prefill_graphs = UNIT_WORKING_BYTES * config.prefill_graph_tokens // 2048 if fast_graphs else 0
+    return (
+        UNIT_WORKING_BYTES * max(1, -(-chunk // 2048)) + prefill_graphs
+        + max_image_tokens * VISION_BYTES_PER_IMAGE_TOKEN
+    )  # fmt: skip
 
 
 def attention_workspace(

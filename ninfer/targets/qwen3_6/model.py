@@ -52,6 +52,7 @@ __all__ = [
     "forward",
     "decoder_layer",
     "mtp_forward",
+    "step_logits",
     "attention_mixer",
     "attention_qkv",
     "attention_projection",
@@ -186,8 +187,14 @@ class StepBatch:
     taps          layer indices whose output (the residual stream after the layer) the forward returns
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
     context_lens_host             context_lens as host ints (prefill attention reads them)
+    padded                        the token tensors are a prefill graph's capacity: one row whose tokens
+                                  from query_start[-1] (on the device) on are padding: their KV slot is
+                                  -1, the GDN state is the state after the last real token, and every op
+                                  leaves them finite (they are never read back); the host bounds are the
+                                  capacity's
     memo                          values an op makes once per step for all its layers (fla's varlen chunk
-                                  table), never copied by `dataclasses.replace`
+                                  table), functions of the step's host facts only; never copied by
+                                  `dataclasses.replace`
 
     The host copies let the prefill ops size their launches without reading the device tensors back: such a
     read is a host sync that drains the GPU queue, and the host then trails the GPU for the rest of the step.
@@ -209,6 +216,7 @@ class StepBatch:
     taps: tuple[int, ...] = field(default=())
     query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
     context_lens_host: tuple[int, ...] | None = None  # context_lens on the host, when the builder knows it
+    padded: bool = False
     memo: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -309,17 +317,23 @@ def forward(
         h, x = _layer_blocks(layer, variant, h, x, following, batch, store, cos, sin, kernels)
         if i in batch.taps:
             taps[i] = x
-    hidden = h
+    return ForwardOutput(hidden=h, logits=step_logits(view, batch, h, logits, kernels), taps=taps)
 
+
+def step_logits(
+    view: ModelView, batch: StepBatch, hidden: Tensor, logits: LogitsMode, kernels: Kernels = REFERENCE
+) -> Tensor | None:
+    """The fp32 logits `forward` returns for ``hidden`` [N, H] (after the final norm): each row's last
+    token's, every token's, or None."""
     if logits == "none":
-        return ForwardOutput(hidden=hidden, logits=None, taps=taps)
+        return None
     if logits == "last":
         selected = _last_tokens(hidden, batch)
     elif logits == "all":
         selected = hidden
     else:
         raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
-    return ForwardOutput(hidden=hidden, logits=kernels.logits(selected, text.lm_head), taps=taps)
+    return kernels.logits(selected, view.text.lm_head)
 
 
 def _last_tokens(hidden: Tensor, batch: StepBatch) -> Tensor:

@@ -146,6 +146,7 @@ def build_program(
         device=device,
         dtype=dtype,
         cuda_graphs=config.cuda_graphs,
+        prefill_graph_tokens=config.prefill_graph_tokens,
         kernels=config.kernels,
         decode_lookahead=lookahead,
         max_image_tokens=config.max_image_tokens if variant.vision is not None else 0,

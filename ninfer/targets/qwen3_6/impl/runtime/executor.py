@@ -5,9 +5,11 @@ Two kinds of step, one forward (`model.forward`):
 - **uniform**: B rows of exactly T tokens each (decode T = 1, a speculative verify T = K + 1). It replays
   the step graph captured for ``(B, T)`` when there is one (CUDA graphs on), else runs eagerly; either
   way it returns the logits of every token, and a graph also their argmax.
-- **ragged**: rows of any lengths (prefill chunks, forced control), always eager, with the logits the
-  caller asks for (each row's last token, every token, or none), an optional embedding splice (image
-  features at their pad positions) and hidden-state taps.
+- **ragged**: rows of any lengths (prefill chunks, forced control), with the logits the caller asks for
+  (each row's last token, every token, or none), an optional embedding splice (image features at their
+  pad positions) and hidden-state taps. A one-row text chunk that a captured capacity holds, wanting its
+  last token's logits or none, replays that capacity's prefill graphs (`prefill_graphs.PrefillGraphs`);
+  the rest run eagerly.
 
 Which slots a row reads and writes, and at which positions, is the caller's choice (the Program and its
 decode backend); the executor only lays the step out (`StepBuilder`) and runs it.
@@ -22,10 +24,18 @@ import torch
 
 from ninfer.targets.qwen3_6.impl.runtime.draws import StepRun
 from ninfer.targets.qwen3_6.impl.runtime.graphs import StepGraphs
+from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import PrefillGraphs
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
 from ninfer.targets.qwen3_6.kernels import Kernels
-from ninfer.targets.qwen3_6.model import ForwardOutput, LogitsMode, StateStore, forward
+from ninfer.targets.qwen3_6.model import (
+    ForwardOutput,
+    LogitsMode,
+    StateStore,
+    StepBatch,
+    forward,
+    step_logits,
+)
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 
@@ -40,11 +50,13 @@ class StepExecutor:
         steps: StepBuilder,
         *,
         graph_shapes: Iterable[tuple[int, int]] = (),
+        prefill_capacities: Iterable[int] = (),
         scratch_slot: int = 0,
     ) -> None:
-        """``graph_shapes``: the ``(B, T)`` uniform steps to capture as CUDA graphs (none: all eager).
+        """``graph_shapes``: the ``(B, T)`` uniform steps to capture as CUDA graphs (none: all eager);
+        ``prefill_capacities``: the one-row prefill chunk sizes to capture (the fast op table only).
         Capture runs here, before any sequence exists: its placeholder rows read and write state slot
-        ``scratch_slot`` and KV slot 0, which no committed state depends on yet."""
+        ``scratch_slot`` and KV page 0, which no committed state depends on yet."""
         self.variant = variant
         self.view = view
         self.store = store
@@ -56,6 +68,13 @@ class StepExecutor:
             self.graphs = StepGraphs(
                 self._graph_step, shapes, store.k_pages.device, scratch_slot, kernels.argmax
             )
+        capacities = list(prefill_capacities)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if capacities:
+            self.prefill_graphs = PrefillGraphs(
+                self._chunk_step, self._chunk_logits, kernels, capacities, page_size=steps.page_size,
+                scratch_slot=scratch_slot, device=store.k_pages.device,
+            )  # fmt: skip
 
     def uniform(
         self,
@@ -93,9 +112,14 @@ class StepExecutor:
         splice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StepRun:
         """Rows of any lengths at their frontiers, from their current slots, final states to
-        ``state_out`` (eager). ``splice``: (token indices, embeddings) whose input embedding replaces the
-        token's (image features at their pads)."""
-        step = self.steps.to_device(self.steps.pack(seqs, inputs, state_out=state_out))
+        ``state_out`` (eagerly, or a prefill graph's replay). ``splice``: (token indices, embeddings)
+        whose input embedding replaces the token's (image features at their pads)."""
+        packed = self.steps.pack(seqs, inputs, state_out=state_out)
+        graphs = self.prefill_graphs
+        if graphs is not None and splice is None and logits != "all" and _graph_chunk(packed, graphs):
+            hidden, last = graphs.run(packed, logits == "last")
+            return StepRun(last, self.steps.to_device(packed), None, hidden)
+        step = self.steps.to_device(packed)
         out = self._forward(step, None, logits, splice)
         return StepRun(out.logits, step, None, out.hidden)
 
@@ -117,3 +141,28 @@ class StepExecutor:
         out = self._forward(step, feed, "all")
         assert out.logits is not None
         return out.logits, out.hidden
+
+    def _chunk_step(
+        self, step: PackedStep, kernels: Kernels, memo: dict[str, object]
+    ) -> tuple[StepBatch, torch.Tensor]:
+        """The work a prefill graph captures: the padded chunk unpacked, then the forward to the hidden
+        states, under ``kernels`` (the capture's, cut at the attention) and starting from ``memo``."""
+        batch = self.steps.unpack(step)
+        batch.memo.update(memo)
+        out = forward(self.view, self.variant, batch, self.store, logits="none", kernels=kernels)
+        return batch, out.hidden
+
+    def _chunk_logits(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        logits = step_logits(self.view, batch, hidden, "last", self.kernels)
+        assert logits is not None
+        return logits
+
+
+def _graph_chunk(packed: PackedStep, graphs: PrefillGraphs) -> bool:
+    """A one-row text chunk of two or more tokens that a captured capacity holds."""
+    return (
+        packed.num_rows == 1
+        and packed.axes == 1
+        and packed.tokens_per_row is None
+        and graphs.capacity_for(packed.num_tokens) is not None
+    )

@@ -68,7 +68,7 @@ from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_imag
 from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
-from ninfer.targets.qwen3_6.kernels import select_kernels
+from ninfer.targets.qwen3_6.kernels import fla_available, select_kernels
 from ninfer.targets.qwen3_6.memory import MemoryPlan
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
@@ -86,6 +86,9 @@ class ProgramConfig:
     device: torch.device
     dtype: torch.dtype
     cuda_graphs: bool = False  # capture the decode backend's uniform steps per exact (B, T) (CUDA only)
+    # with cuda_graphs and the fast table: one-row prefill chunks of up to this many tokens replay
+    # piecewise graphs of capacities 64, 128, ... (prefill_graphs.py); 0: every chunk eager
+    prefill_graph_tokens: int = 0
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
     decode_lookahead: bool = False  # the plain backend queues the next decode behind each (plain.py)
     max_image_tokens: int = 16384  # image pad tokens one request may carry (the vision workspace's size)
@@ -95,6 +98,20 @@ class ProgramConfig:
     host_checkpoint_slots: int = 0  # state slots of the host tier (0: no host tier)
     host_kv_pages: int = 0  # KV pages of the host tier (0: no host tier)
     memory: MemoryPlan | None = None  # how build_program sized the pools (None: given directly, tests)
+
+
+# the smallest prefill graph capacity: fla's chunk length, below which a chunk costs the GPU no less
+MIN_PREFILL_CAPACITY = 64
+
+
+def prefill_capacities(config: ProgramConfig) -> list[int]:
+    """The prefill graphs' capacities: 64, 128, ... up to ``prefill_graph_tokens`` and the context."""
+    largest = min(config.prefill_graph_tokens, config.max_context)
+    capacities, size = [], MIN_PREFILL_CAPACITY
+    while size <= largest:
+        capacities.append(size)
+        size *= 2
+    return capacities
 
 
 class Qwen36Program:
@@ -162,12 +179,17 @@ class Qwen36Program:
             self.kernels,
             steps,
             graph_shapes=self.backend.graph_shapes(n) if graphs else (),
+            prefill_capacities=prefill_capacities(config) if graphs and self._fla_prefill() else (),
             scratch_slot=0,
         )
         self.backend.bind(self.executor, self.sampler, self.backend_kv)
         self._sequences: dict[int, SequenceState] = {}
         self._batch_ids = itertools.count(1)
         self._open_pending: PendingBatch | None = None
+
+    def _fla_prefill(self) -> bool:
+        """The op table's GDN prefill is fla's, which a prefill graph's padded chunk needs."""
+        return self.kernels.name == "fast" and fla_available()
 
     # ---- static facts ---------------------------------------------------------------------------
     @property

@@ -52,6 +52,8 @@ class PackedStep:
     ``tokens_per_row``: T when every row has T tokens (a uniform step), else None. ``per_position``: the
     vector's first tail holds [B, T] state slots (the state after each token). ``axes``: 3 when the
     second tail holds the H and W rotary positions, 1 when all three axes are the base positions.
+    ``padded``: one row whose tokens from its packed query_start[-1] on are padding (a prefill graph's
+    capacity; the host copies are the capacity's bounds, `StepBatch.padded`).
     """
 
     values: torch.Tensor
@@ -62,6 +64,7 @@ class PackedStep:
     tokens_per_row: int | None = None
     per_position: bool = False
     axes: int = 1
+    padded: bool = False
 
     @property
     def base_length(self) -> int:
@@ -230,6 +233,51 @@ class StepBuilder:
         packed = _packed(values, n, range(0, n + 1, t), [t] * b, t)
         return dataclasses.replace(packed, values=packed.values.to(device))
 
+    @staticmethod
+    def placeholder_chunk(
+        capacity: int, page_size: int, scratch_slot: int, device: torch.device
+    ) -> PackedStep:
+        """A one-row prefill chunk of ``capacity`` tokens for graph capture (`padded`, none of them padding
+        here): a fresh row that writes ``scratch_slot`` and the slots of KV page 0 (which no committed
+        state depends on at capture), reading only page 0 (sequence index 0's table row, all zeros)."""
+        t = capacity
+        values = _layout(
+            [0] * t,
+            list(range(t)),
+            [i % page_size for i in range(t)],
+            [0, t],
+            context_lens=[t],
+            state_in=[scratch_slot],
+            state_out=[scratch_slot],
+            fresh=[1],
+            sequence_index=[0],
+        )
+        packed = dataclasses.replace(_packed(values, t, (0, t), (t,), None), padded=True)
+        return dataclasses.replace(packed, values=packed.values.to(device))
+
+    @staticmethod
+    def padded_values(packed: PackedStep, capacity: int) -> list[int]:
+        """A one-row text prefill chunk's packed values (`pack`) laid out at ``capacity`` tokens: its n
+        tokens, then padding (token 0 at the positions that follow, KV slot -1: never cached); the row
+        bounds stay [0, n]."""
+        n = packed.num_tokens
+        if packed.num_rows != 1 or packed.axes != 1 or packed.tokens_per_row is not None or n > capacity:
+            raise ValueError(f"a prefill graph takes one text row of at most {capacity} tokens")
+        f = [t.tolist() for t in packed.fields()]
+        pad = capacity - n
+        last = f[1][-1]
+        return _layout(
+            f[0] + [0] * pad,
+            f[1] + list(range(last + 1, last + 1 + pad)),
+            f[2] + [-1] * pad,
+            f[3],
+            context_lens=f[4],
+            state_in=f[5],
+            state_out=f[6],
+            fresh=f[7],
+            sequence_index=f[8],
+        )
+
     def uniform_step(self, values: list[int], num_rows: int, tokens_per_row: int) -> PackedStep:
         """The host `PackedStep` over `uniform_values`' list."""
         t = tokens_per_row
@@ -282,6 +330,7 @@ class StepBuilder:
             tokens_per_row=packed.tokens_per_row,
             query_start_host=packed.query_start_host,
             context_lens_host=packed.context_lens_host,
+            padded=packed.padded,
         )
 
 
