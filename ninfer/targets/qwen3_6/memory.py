@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from ninfer.targets.open import prefill_unit, resolve_kernels
+from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import capacities
 from ninfer.targets.qwen3_6.kernels import fla_available
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
@@ -170,7 +171,8 @@ def working_space(config: EngineConfig, device: torch.device, max_image_tokens: 
     (4 patches per image token) at its widest layer."""
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
     fast_graphs = config.cuda_graphs and resolve_kernels(device, config.kernels) == "fast" and fla_available()
-    prefill_graphs = UNIT_WORKING_BYTES * config.prefill_graph_tokens // 2048 if fast_graphs else 0
+    largest = max(capacities(config.prefill_graph_tokens, config.prefill_graph_tokens), default=0)
+    prefill_graphs = UNIT_WORKING_BYTES * largest // 2048 if fast_graphs else 0
     return (
         UNIT_WORKING_BYTES * max(1, -(-chunk // 2048)) + prefill_graphs
         + max_image_tokens * VISION_BYTES_PER_IMAGE_TOKEN

@@ -37,6 +37,17 @@ Tensor = torch.Tensor
 # (the packed device inputs, the op table, the memo to start the step's from) -> (the step, hidden [N, H])
 ChunkFn = Callable[[PackedStep, Kernels, dict[str, object]], tuple[StepBatch, Tensor]]
 LogitsFn = Callable[[StepBatch, Tensor], Tensor]  # (the step, hidden) -> the last token's logits [1, V]
+# the smallest capacity: fla's chunk length, below which a chunk costs the GPU no less
+MIN_CAPACITY = 64
+
+
+def capacities(largest: int, max_context: int) -> list[int]:
+    """The capacities captured: 64, 128, ... up to ``largest`` tokens and the context."""
+    out, size = [], MIN_CAPACITY
+    while size <= min(largest, max_context):
+        out.append(size)
+        size *= 2
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,8 +117,11 @@ class PrefillGraphs:
                 self._current = c
                 with checked_schedule():
                     self._begin()
-                    c.batch, c.hidden = chunk(inputs, cut, dict(memo))
-                    self._end()
+                    try:
+                        c.batch, c.hidden = chunk(inputs, cut, dict(memo))
+                    finally:  # a failed piece ends its capture, so the error is the piece's own
+                        if self._capturing is not None:
+                            self._end()
                 with torch.cuda.graph(c.logits_graph, pool=self._pool, stream=stream):
                     c.logits = logits(c.batch, c.hidden)
                 self._chunks[capacity] = c

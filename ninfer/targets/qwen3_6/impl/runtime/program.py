@@ -65,6 +65,7 @@ from ninfer.targets.qwen3_6.impl.runtime.draws import Sampler, forced_logprobs
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.host_tier import HostTier
 from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_images
+from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import capacities
 from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
@@ -100,18 +101,9 @@ class ProgramConfig:
     memory: MemoryPlan | None = None  # how build_program sized the pools (None: given directly, tests)
 
 
-# the smallest prefill graph capacity: fla's chunk length, below which a chunk costs the GPU no less
-MIN_PREFILL_CAPACITY = 64
-
-
 def prefill_capacities(config: ProgramConfig) -> list[int]:
     """The prefill graphs' capacities: 64, 128, ... up to ``prefill_graph_tokens`` and the context."""
-    largest = min(config.prefill_graph_tokens, config.max_context)
-    capacities, size = [], MIN_PREFILL_CAPACITY
-    while size <= largest:
-        capacities.append(size)
-        size *= 2
-    return capacities
+    return capacities(config.prefill_graph_tokens, config.max_context)
 
 
 class Qwen36Program:
