@@ -230,6 +230,7 @@ def run_image(
         driver = TimedDriver(engine, decode, prompts)
         from ninfer.targets.qwen3_6.vision import vision_embeddings
 
+        fast = resolve_kernels(device, options.kernels) == "fast"  # the Program's own table
         for i, (width, height) in enumerate(plan.sizes):
             prompt = _prepared(engine.frontend, width, height, options.seed)
             image = prompt.images[0]
@@ -239,7 +240,7 @@ def run_image(
 
             def tower(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
                 with torch.inference_mode():
-                    return vision_embeddings(view.vision, variant.vision, pixels, [grid])
+                    return vision_embeddings(view.vision, variant.vision, pixels, [grid], fast=fast)
 
             tower_s = timed_seconds(tower, device, plan.repeats, warmup=1)
             del pixels

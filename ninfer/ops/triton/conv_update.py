@@ -14,11 +14,11 @@ last K-1 taps back to the output slot. A row reads exactly the channels it later
 program, so state_out may equal state_in. The work is tiny (a few hundred KB at B = 8); the grid is
 (B, C / BLOCK_C) so that even B = 1 spreads the C = 10240 channels over tens of programs.
 
-With T > 1 tokens per row (a speculative verify, a forced-control span) the program walks the row's
-tokens in order: output t convolves the inputs [K-1 pool taps, x_0 .. x_{T-1}] at t .. t+K-1, each tap
-read from memory, and the window after token t goes to the row's slot for position t (per-position
-state_out [B, T], selected when the accepted prefix is committed) or, with state_out [B], only the last
-window persists.
+With T > 1 tokens per row (a speculative verify, a forced-control span) output t convolves the inputs
+[K-1 pool taps, x_0 .. x_{T-1}] at t .. t+K-1; the program gathers all T windows as one tile before any
+store (the positions do not wait on each other), and the window after token t goes to the row's slot for
+position t (per-position state_out [B, T], selected when the accepted prefix is committed) or, with
+state_out [B], only the last window persists.
 
 As in `gdn_decode`: a row with state_in < 0 starts from a zero window (like a fresh row) and a row with
 state_out < 0 is computed but not persisted (padding rows of a captured graph). Slots written by one row
@@ -54,6 +54,7 @@ def _conv_update_kernel(
     KERNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     TOKENS: tl.constexpr,
     PER_POSITION: tl.constexpr,
     SETTLED: tl.constexpr,
@@ -104,8 +105,9 @@ def _conv_update_kernel(
         )
     else:
         # T tokens: the inputs z = [the K-1 pool taps, x_0 .. x_{T-1}]; output t convolves z[t .. t+K-1]
-        # and the window after it is z[t+1 .. t+K-1]. Every tap is read from memory (the pool taps only
-        # where t + tap < K-1), so nothing shifts in registers
+        # and the window after it is z[t+1 .. t+K-1]. Every position's window is one [BLOCK_T, BLOCK_C,
+        # BLOCK_K] tile gathered by a single pair of loads issued before any store (the pool taps only
+        # where t + tap < K-1), so the T positions cost one memory round trip, not T dependent ones
         reads_state = (tl.load(fresh_ptr + row) == 0) & (slot_in >= 0)
         weight = tl.load(
             weight_ptr + offs_c[:, None] * weight_stride_c + taps[None, :] * weight_stride_k,
@@ -114,44 +116,38 @@ def _conv_update_kernel(
         ).to(tl.float32)
         if SETTLED:
             pdl.enter_after(LAUNCH_NEXT_EARLY, USE_PDL)
-        in_window = taps[None, :] < KERNEL
+        steps = tl.arange(0, BLOCK_T)
+        live_t = steps < TOKENS
+        z = steps[:, None, None] + taps[None, None, :]  # [BLOCK_T, 1, BLOCK_K]: index into z
+        from_pool = z < state_width
+        in_window = (taps < KERNEL)[None, None, :] & live_t[:, None, None]
+        c3 = offs_c[None, :, None]
+        m3 = mask_c[None, :, None] & in_window
         pool_row = pool_ptr + slot_in * channels * state_width
         x_rows = x_ptr + (row.to(tl.int64) * TOKENS) * x_stride_b
-        window = tl.zeros([BLOCK_C, BLOCK_K], dtype=x_ptr.dtype.element_ty)
-        for t in tl.static_range(TOKENS):
-            z = t + taps  # index into z of each window tap
-            from_pool = z < state_width
-            old = tl.load(
-                pool_row + offs_c[:, None] * state_width + z[None, :],
-                mask=mask_c[:, None] & (from_pool[None, :] & in_window) & reads_state,
-                other=0.0,
+        old = tl.load(pool_row + c3 * state_width + z, mask=m3 & from_pool & reads_state, other=0.0)
+        new = tl.load(x_rows + (z - state_width) * x_stride_b + c3, mask=m3 & ~from_pool, other=0.0)
+        window = tl.where(from_pool, old.to(new.dtype), new)  # [BLOCK_T, BLOCK_C, BLOCK_K]
+        acc = tl.sum(window.to(tl.float32) * weight[None, :, :], axis=2)  # [BLOCK_T, BLOCK_C]
+        y = acc * tl.sigmoid(acc)
+        y_rows = y_ptr + (row.to(tl.int64) * TOKENS + steps[:, None]) * y_stride_b + offs_c[None, :]
+        tl.store(y_rows, y.to(y_ptr.dtype.element_ty), mask=live_t[:, None] & mask_c[None, :])
+        keep = m3 & (taps >= 1)[None, None, :]
+        if PER_POSITION:  # the window after position t goes to that position's slot
+            slot_t = tl.load(state_out_ptr + row * TOKENS + steps, mask=live_t, other=-1).to(tl.int64)
+            tl.store(
+                pool_ptr + slot_t[:, None, None] * channels * state_width + c3 * state_width + taps - 1,
+                window.to(pool_ptr.dtype.element_ty),
+                mask=keep & (slot_t >= 0)[:, None, None],
             )
-            new = tl.load(
-                x_rows + (z - state_width)[None, :] * x_stride_b + offs_c[:, None],
-                mask=mask_c[:, None] & ((~from_pool)[None, :] & in_window),
-                other=0.0,
-            )
-            window = tl.where(from_pool[None, :], old.to(new.dtype), new)
-            acc = tl.sum(window.to(tl.float32) * weight, axis=1)
-            y = acc * tl.sigmoid(acc)
-            y_row = y_ptr + (row.to(tl.int64) * TOKENS + t) * y_stride_b
-            tl.store(y_row + offs_c, y.to(y_ptr.dtype.element_ty), mask=mask_c)
-            if PER_POSITION:  # the window after position t goes to that position's slot
-                slot_t = tl.load(state_out_ptr + row * TOKENS + t).to(tl.int64)
-                store_mask = mask_c[:, None] & (taps[None, :] >= 1) & in_window & (slot_t >= 0)
-                tl.store(
-                    pool_ptr + slot_t * channels * state_width + pool_tile - 1,
-                    window.to(pool_ptr.dtype.element_ty),
-                    mask=store_mask,
-                )
-        if not PER_POSITION:  # only the last window persists, maybe into the slot read above
+        else:  # only the last window persists, maybe into the slot read above
             slot_out = tl.load(state_out_ptr + row).to(tl.int64)
             tl.debug_barrier()  # every thread's pool reads come before any thread's store
-            store_mask = mask_c[:, None] & (taps[None, :] >= 1) & in_window & (slot_out >= 0)
             tl.store(
-                pool_ptr + slot_out * channels * state_width + pool_tile - 1,
+                pool_ptr + slot_out * channels * state_width + c3 * state_width + taps - 1
+                + steps[:, None, None] * 0,
                 window.to(pool_ptr.dtype.element_ty),
-                mask=store_mask,
+                mask=keep & (steps == TOKENS - 1)[:, None, None] & (slot_out >= 0),
             )
 
 
@@ -165,7 +161,7 @@ def causal_conv1d_update_slots(
     *,
     tokens_per_row: int = 1,
     out: torch.Tensor | None = None,
-    block_c: int = 256,
+    block_c: int | None = None,
     num_warps: int = 4,
     settled: bool = False,
     launch_next_early: bool = False,
@@ -223,6 +219,8 @@ def causal_conv1d_update_slots(
     if fresh.dtype == torch.bool:
         fresh = fresh.view(torch.uint8)  # same bytes, a plain integer load in the kernel
 
+    if block_c is None:  # T > 1 holds T windows a channel: narrower blocks, more programs
+        block_c = 256 if tokens == 1 else 64
     grid = (batch, triton.cdiv(channels, block_c))
     if schedule.recording:
         early = {"state_in": state_in, "fresh": fresh, "weight": weight}  # before the wait when settled
@@ -235,7 +233,8 @@ def causal_conv1d_update_slots(
     _conv_update_kernel[grid](
         x, conv_pool, weight, state_in, state_out, fresh, y,
         channels, x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),
-        KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=block_c, TOKENS=tokens,
+        KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=block_c,
+        BLOCK_T=triton.next_power_of_2(tokens), TOKENS=tokens,
         PER_POSITION=per_position, SETTLED=settled, LAUNCH_NEXT_EARLY=launch_next_early,
         num_warps=num_warps, USE_PDL=pdl.ENABLED, **pdl.LAUNCH,
     )  # fmt: skip

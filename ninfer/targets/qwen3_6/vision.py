@@ -16,7 +16,9 @@ Plain PyTorch, the same code on CPU (the reference) and GPU, equal to transforme
 
 Attention over images of different sizes runs as one ``scaled_dot_product_attention`` call per distinct
 frame length (frames of equal length are stacked into a batch), so there is no Python loop over patches
-or frames and no [N, N] mask; on CUDA SDPA picks its flash / memory-efficient kernels.
+or frames and no [N, N] mask; on CUDA SDPA picks its flash / memory-efficient kernels. With ``fast`` (the
+fast op table, on CUDA) and frames of one length, the rotary and SDPA's q/k/v layout are one Triton launch
+a block (`ninfer.ops.triton.vision_rope`), the same fp32 arithmetic.
 
 `image_pad_rows` gives the prompt rows the output goes to (``PreparedImage.token_offset`` and
 ``num_tokens``).
@@ -66,12 +68,13 @@ def check_grids(pixel_values: Tensor, grids: Sequence[Grid], dims: VisionDims) -
 
 
 def vision_embeddings(
-    view: VisionView, dims: VisionDims, pixel_values: Tensor, grids: Sequence[Grid]
+    view: VisionView, dims: VisionDims, pixel_values: Tensor, grids: Sequence[Grid], *, fast: bool = False
 ) -> Tensor:
     """``[sum t*h*w/merge^2, out_hidden_size]`` in the weights' dtype, images in ``grids`` order.
 
     ``pixel_values`` is the row-concatenation of the images' ``PreparedImage.pixel_values`` (any float
-    dtype, on the weights' device); ``grids`` their ``grid_thw``. Raises ValueError for mismatches.
+    dtype, on the weights' device); ``grids`` their ``grid_thw``. ``fast``: the Triton rotary on CUDA (the
+    Program's fast op table). Raises ValueError for mismatches.
     """
     grids = [tuple(int(v) for v in g) for g in grids]
     check_grids(pixel_values, grids, dims)
@@ -88,7 +91,7 @@ def vision_embeddings(
     approximate = _ACTIVATIONS[dims.hidden_act]
     for block in view.blocks:
         h = F.layer_norm(x, (x.shape[-1],), block.norm1_weight, block.norm1_bias, _LN_EPS)
-        x = x + _attention(h, block, dims, cos, sin, frames)
+        x = x + _attention(h, block, dims, cos, sin, frames, fast)
         h = F.layer_norm(x, (x.shape[-1],), block.norm2_weight, block.norm2_bias, _LN_EPS)
         h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate=approximate)
         x = x + F.linear(h, block.fc2_weight, block.fc2_bias)
@@ -187,10 +190,20 @@ def _attention(
     cos: Tensor,
     sin: Tensor,
     frames: list[tuple[int, Tensor | None]],
+    fast: bool = False,
 ) -> Tensor:
     n, hidden = x.shape
     heads, head_dim = dims.num_heads, dims.head_dim
     qkv = F.linear(x, block.qkv_weight, block.qkv_bias).view(n, 3, heads, head_dim)
+    if fast and x.is_cuda and len(frames) == 1 and frames[0][1] is None:
+        from ninfer.ops.triton.vision_rope import vision_qkv_rotary
+
+        length = frames[0][0]
+        heads_first = vision_qkv_rotary(qkv, cos, sin)  # [heads, n, D] each, q and k rotated
+        q, k, v = (t.view(heads, -1, length, head_dim).transpose(0, 1) for t in heads_first)
+        o = F.scaled_dot_product_attention(q, k, v)  # [frames, heads, length, D]
+        out = o.transpose(1, 2).reshape(n, hidden)
+        return F.linear(out, block.proj_weight, block.proj_bias)
     q, k, v = qkv.unbind(1)
     c, s = cos[:, None, :], sin[:, None, :]
     q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)  # rotary in fp32, as transformers

@@ -387,7 +387,9 @@ class Qwen36Program:
         start = seq.frontier
         end = start + min(remaining, budget_tokens)
         chunk = seq.prompt[start:end]
-        splice = seq.images.splice(start, end, self.view, self.variant) if seq.images is not None else None
+        splice = None
+        if seq.images is not None:
+            splice = seq.images.splice(start, end, self.view, self.variant, fast=self.kernels.name == "fast")
         if remaining > budget_tokens:
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
             run = self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
