@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import statistics
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ninfer.bench.probes import timed_seconds
+from ninfer.bench.probes import median_seconds
 
 SHAPES = {"27b": (24, 4), "35b": (16, 2)}
 HEAD_DIM = 256
@@ -36,7 +35,7 @@ PAGE = 64
 
 
 def _time(fn: Callable[[], Any], repeats: int = 5) -> float:
-    return 1e3 * statistics.median(timed_seconds(fn, torch.device("cuda"), repeats, warmup=2))
+    return 1e3 * median_seconds(fn, torch.device("cuda"), repeats, warmup=2)
 
 
 def _case(name: str, n: int, length: int, results: list[dict[str, Any]]) -> None:

@@ -12,12 +12,11 @@ attention) and the measured bf16 matmul rate.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import defaultdict
 
 import torch
 
-from ninfer.bench.probes import timed_seconds
+from ninfer.bench.probes import measure_matmul_flops, median_seconds
 from ninfer.targets.qwen3_6.variant import VisionDims
 from ninfer.targets.qwen3_6.view import VisionBlockView, VisionMergerView, VisionView
 from ninfer.targets.qwen3_6.vision import vision_embeddings
@@ -89,17 +88,8 @@ def main() -> None:
         with torch.inference_mode():
             return vision_embeddings(view, dims, pixels, [grid], fast=args.fast)
 
-    times = timed_seconds(tower, device, 5, warmup=3)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.mm(a, a)
-    start.record()
-    for _ in range(10):
-        torch.mm(a, a)
-    end.record()
-    end.synchronize()
-    peak = 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3)
-    ms = 1e3 * statistics.median(times)
+    ms = 1e3 * median_seconds(tower, device, 5, warmup=3)
+    peak, _ = measure_matmul_flops(device, torch.bfloat16)
     print(
         f"{args.package} vision tower, {args.size}x{args.size}: {n} patches, {ms:.2f} ms (median of 5), "
         f"{flops / 1e12:.2f} TFLOP, {flops / ms / 1e9:.0f} TFLOP/s = {100 * flops / (ms / 1e3) / peak:.1f} % "

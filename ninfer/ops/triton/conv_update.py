@@ -145,7 +145,7 @@ def _conv_update_kernel(
             tl.debug_barrier()  # every thread's pool reads come before any thread's store
             tl.store(
                 pool_ptr + slot_out * channels * state_width + c3 * state_width + taps - 1
-                + steps[:, None, None] * 0,
+                + steps[:, None, None] * 0,  # broadcast to the window's shape; only the last position stores
                 window.to(pool_ptr.dtype.element_ty),
                 mask=keep & (steps == TOKENS - 1)[:, None, None] & (slot_out >= 0),
             )
