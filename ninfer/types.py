@@ -150,7 +150,7 @@ class EngineConfig:
       it off; ``None`` takes `default_decode_gap_ms` of the op table (docs/engine.md, "Prefill pacing").
     - ``cuda_graphs``/``warmup``: capture decode graphs; run one warmup request before ``ready``.
     - ``prefill_graph_tokens``: with ``cuda_graphs`` and the fast op table, a one-row text prefill chunk
-      of up to this many tokens replays piecewise CUDA graphs (capacities 64, 128, ...; the chunk laid
+      of up to this many tokens replays a CUDA graph (capacities 64, 128, ...; the chunk laid
       out at the smallest that holds it) instead of paying ~100 ms of Python launches; ``0``: every
       chunk eager (docs/engine.md, "Prefill graphs").
     - ``decode_lookahead``: the Program queues the decode after each decode before the Engine has

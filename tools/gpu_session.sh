@@ -24,8 +24,8 @@
 # runs, e.g. --kernels reference or --prefix-cache on), servetiny (the same harness on the tiny package),
 # servetimeline27/35 (the in-process half under tools/serving_timeline: every Engine unit's time, the GC
 # pauses and Triton compiles inside them; SERVE_CONCURRENCY, SERVE_REQUESTS, TL_TIMEOUT, TL_ARGS),
-# visionprof (tools/vision_profile: the tower's kernels for one image; VP_ARGS), varlen (tools/varlen_probe: torch's flash varlen attention, paged and graphed, against our prefill attention;
-# VARLEN_ARGS), prefillhost27/35 (tools/prefill_host: one prefill chunk's enqueue, device and wall time, and its cProfile;
+# visionprof (tools/vision_profile: the tower's kernels for one image; VP_ARGS), prefattn (tools/prefill_attention_probe: our Triton paged prefill attention at several launch
+# shapes against the SDPA path; PA_ARGS), prefillhost27/35 (tools/prefill_host: one prefill chunk's enqueue, device and wall time, and its cProfile;
 # PH_ARGS, e.g. --tokens 64,1024 --context 0).
 # mtpsweep27/35 (`--speculative SWEEP_SPECS` at SWEEP_BATCH, default off,mtp:1,...,mtp:4: one bench process over
 # one set of weights, a JSON line per backend; SWEEP_ARGS, e.g. --draft-vocab 32768; SWEEP_TAG names the file),
@@ -175,7 +175,7 @@ for step in "$@"; do
         timeout ${TL_TIMEOUT:-300} python3 -m tools.serving_timeline $pkg --concurrency ${SERVE_CONCURRENCY:-1,4} \
           --requests ${SERVE_REQUESTS:-2} --json "$OUT/$step${LOG_TAG:-}.json" ${TL_ARGS:-} ;;
     visionprof) timeout ${VP_TIMEOUT:-120} python3 -m tools.vision_profile ${VP_ARGS:-} ;;
-    varlen) timeout ${VARLEN_TIMEOUT:-150} python3 -m tools.varlen_probe ${VARLEN_ARGS:-} --json "$OUT/varlen.json" ;;
+    prefattn) timeout ${PA_TIMEOUT:-240} python3 -m tools.prefill_attention_probe ${PA_ARGS:-} --json "$OUT/prefattn.json" ;;
     prefillhost27) timeout 200 python3 -m tools.prefill_host qwen3_6_27b ${PH_ARGS:-} ;;
     prefillhost35) timeout 200 python3 -m tools.prefill_host qwen3_6_35b_a3b ${PH_ARGS:-} ;;
     serve27) serve_step qwen3_6_27b serve27 ;;

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from ninfer.bench.probes import measure_matmul_flops, median_seconds
+from ninfer.targets.qwen3_6.kernels import REFERENCE, fast_kernels
 from ninfer.targets.qwen3_6.variant import VisionDims
 from ninfer.targets.qwen3_6.view import VisionBlockView, VisionMergerView, VisionView
 from ninfer.targets.qwen3_6.vision import vision_embeddings
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("package", nargs="?", default="qwen3_6_27b")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--reference", dest="fast", action="store_false", help="the plain torch rotary")
+    parser.add_argument("--reference", dest="fast", action="store_false", help="the reference table's rotary")
     args = parser.parse_args()
     dims = get_package(args.package).variant.vision
     assert dims is not None, f"{args.package} has no vision tower"
@@ -84,9 +85,11 @@ def main() -> None:
     merged_rows = n // dims.spatial_merge_size**2
     flops += 2 * n * width * c + 2 * merged_rows * merged * (merged + dims.out_hidden_size)
 
+    kernels = fast_kernels() if args.fast else REFERENCE
+
     def tower() -> torch.Tensor:
         with torch.inference_mode():
-            return vision_embeddings(view, dims, pixels, [grid], fast=args.fast)
+            return vision_embeddings(view, dims, pixels, [grid], kernels)
 
     ms = 1e3 * median_seconds(tower, device, 5, warmup=3)
     peak, _ = measure_matmul_flops(device, torch.bfloat16)

@@ -230,7 +230,7 @@ def run_image(
         driver = TimedDriver(engine, decode, prompts)
         from ninfer.targets.qwen3_6.vision import vision_embeddings
 
-        fast = resolve_kernels(device, options.kernels) == "fast"  # the Program's own table
+        kernels = started.program.kernels  # the Program's own table
         for i, (width, height) in enumerate(plan.sizes):
             prompt = _prepared(engine.frontend, width, height, options.seed)
             image = prompt.images[0]
@@ -240,7 +240,7 @@ def run_image(
 
             def tower(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
                 with torch.inference_mode():
-                    return vision_embeddings(view.vision, variant.vision, pixels, [grid], fast=fast)
+                    return vision_embeddings(view.vision, variant.vision, pixels, [grid], kernels)
 
             tower_s = timed_seconds(tower, device, plan.repeats, warmup=1)
             del pixels

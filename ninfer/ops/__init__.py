@@ -13,8 +13,8 @@ docs/ops.md for the admission rules and the layout.
 - linear: `logits`, `linear_add_rms_norm` and their fast forms, `fast_linear` (our GEMV or cuBLAS)
 - gdn: the GDN layer's step over the state slot pools, `gdn_decode` / `fast_gdn_decode`, `gdn_prefill` /
   `fast_gdn_prefill` (fla-core, its per-step chunk table `fla_varlen`)
-- attention (step ops): `attention_prologue`, `gated_decode_attention`, `prefill_attention`,
-  `attention_output_gate` and their fast forms; norm: `add_rms_norm` and the fast norms
+- attention (step ops): `attention_prologue`, `gated_decode_attention`, `gated_prefill_attention` and
+  their fast forms; norm: `add_rms_norm` and the fast norms
 - sampling: the counter-based sampler, `argmax_rows`
 - pdl_policy: `pdl_policy`, the PDL flags of a step's fast kernels; step: `StepFacts`, what ops read of a step
 

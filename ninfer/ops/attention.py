@@ -13,11 +13,12 @@ The attention layer's step ops, reference and fast side by side (the fast op tab
 - `gated_decode_attention`: one query per table row over the paged K/V, then the output gate read from
   qkv's gate columns. Fast: `ninfer.ops.triton.paged_decode_attention` (split-KV, GQA packed) with the gate
   applied where the output is written, one launch fewer per layer.
-- `prefill_attention`: rows of any length; fast `sdpa_prefill_attention`, per row one
-  `F.scaled_dot_product_attention` (flash) over the row's gathered pages, with the row bounds from the
-  step's host copies.
-- `attention_output_gate`: o * sigmoid(gate) after a prefill attention; fast
-  `ninfer.ops.triton.attention_prologue.sigmoid_gate`, the gate read in place.
+- `gated_prefill_attention`: rows of any length, then the output gate. Fast:
+  `ninfer.ops.triton.paged_prefill_attention` (flash-style, pages and GQA read in place, row bounds and
+  lengths read on the device, so it is captured inside the prefill graphs) with the gate applied where
+  the output is written. `sdpa_prefill_attention`, per row one `F.scaled_dot_product_attention` over the
+  row's gathered and head-repeated pages, is what it replaced: kept as its measured baseline
+  (`tools/prefill_attention_probe`) and a second oracle of its GPU test.
 
 The fast forms take their PDL flags from `ninfer.ops.pdl_policy`.
 """
@@ -46,11 +47,10 @@ __all__ = [
     "attention_prologue",
     "fast_attention_prologue",
     "gated_output",
-    "attention_output_gate",
-    "fast_attention_output_gate",
     "gated_decode_attention",
     "fast_gated_decode_attention",
-    "prefill_attention",
+    "gated_prefill_attention",
+    "fast_gated_prefill_attention",
     "sdpa_prefill_attention",
 ]
 
@@ -234,20 +234,6 @@ def gated_output(o: Tensor, qkv: Tensor) -> Tensor:
     return gated_attention_output(o, split_q_gate(qkv[:, : n_heads * 2 * dim], n_heads, dim)[1])
 
 
-def attention_output_gate(o: Tensor, qkv: Tensor) -> Tensor:
-    """o * sigmoid(gate) [N, nH*D] with the gate read from qkv's q columns (after a prefill attention)."""
-    return gated_output(o, qkv)
-
-
-def fast_attention_output_gate(o: Tensor, qkv: Tensor) -> Tensor:
-    from ninfer.ops.triton.attention_prologue import sigmoid_gate
-
-    return sigmoid_gate(
-        o, qkv, num_heads=o.shape[1], head_dim=o.shape[2],
-        launch_next_early=pdl_policy(o.shape[0]).launch_next_early,
-    )  # fmt: skip
-
-
 def gated_decode_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
     qkv: Tensor, tokens_per_row: int,
@@ -275,15 +261,33 @@ def fast_gated_decode_attention(
     return o.flatten(1)
 
 
-def prefill_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float) -> Tensor:
-    """`paged_attention` over the step's rows -> [N, nH, D]."""
-    return paged_attention(q, k_pages, v_pages, step.block_table, step.query_start, step.context_lens, scale)
+def gated_prefill_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float, qkv: Tensor
+) -> Tensor:
+    """`paged_attention` over the step's rows, then the output gate read from qkv -> [N, nH*D] (tokens
+    past the rows, a prefill graph's padding, read as zeros)."""
+    o = paged_attention(q, k_pages, v_pages, step.block_table, step.query_start, step.context_lens, scale)
+    return gated_output(o, qkv)
+
+
+def fast_gated_prefill_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float, qkv: Tensor
+) -> Tensor:
+    """The Triton kernel, the gate applied where it writes; row bounds and lengths read on the device
+    (graph-capturable); a padded step's padding tokens are written as zeros."""
+    from ninfer.ops.triton.paged_prefill_attention import paged_prefill_attention
+
+    return paged_prefill_attention(
+        q, k_pages, v_pages, step.block_table, step.query_start, step.context_lens, scale, gate_qkv=qkv,
+        zero_padding=step.padded,
+    )  # fmt: skip
 
 
 def sdpa_prefill_attention(
     q: Tensor, k_pages: Tensor, v_pages: Tensor, step: StepFacts, scale: float
 ) -> Tensor:
-    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking.
+    """Per row: gather the row's K/V pages, then one SDPA call (flash) with bottom-right causal masking
+    -> [N, nH, D], ungated (the baseline of `fast_gated_prefill_attention`, see the module docstring).
 
     Row bounds and lengths come from the step's host copies (no device read-back)."""
     from torch.nn.attention.bias import causal_lower_right

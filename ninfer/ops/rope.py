@@ -1,4 +1,6 @@
-"""Reference interleaved M-RoPE of Qwen3.6 with partial rotary (plain PyTorch, fp32 math).
+"""Reference interleaved M-RoPE of Qwen3.6 with partial rotary (plain PyTorch, fp32 math), and the
+vision tower's 2-D rotary with its q/k/v relayout (`vision_qkv_rotary`; fast form
+`ninfer.ops.triton.vision_rope.vision_qkv_rotary`, one launch).
 
 Text tokens have equal T/H/W positions, which reduces this to ordinary partial RoPE; image tokens
 carry distinct H/W positions from the frontend's rope index.
@@ -10,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["mrope_inv_freq", "mrope_cos_sin", "apply_partial_rope"]
+__all__ = ["mrope_inv_freq", "mrope_cos_sin", "apply_partial_rope", "vision_qkv_rotary"]
 
 
 _CONSTANTS: dict[tuple[object, ...], torch.Tensor] = {}
@@ -92,3 +94,21 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     cos_b, sin_b = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)  # broadcast over heads
     x_embed = x_rot * cos_b + rotated_half * sin_b
     return torch.cat((x_embed, x_pass), dim=-1).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def vision_qkv_rotary(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The vision tower's qkv projection output [n, 3, heads, D] -> q, k, v, each contiguous [heads, n, D]
+    (the layout its attention reads per frame): q and k rotated in fp32 by cos, sin [n, D], as
+    transformers, ``(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)``; v as it is."""
+    q, k, v = qkv.unbind(1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = (q.float() * c + _rotate_half(q.float()) * s).to(qkv.dtype)
+    k = (k.float() * c + _rotate_half(k.float()) * s).to(qkv.dtype)
+    return q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()

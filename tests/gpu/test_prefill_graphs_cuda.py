@@ -1,4 +1,4 @@
-"""Prefill chunks replayed as piecewise CUDA graphs (padded to a capacity) against the same chunks run
+"""Prefill chunks replayed as CUDA graphs (padded to a capacity) against the same chunks run
 eagerly: the same first-token log-probabilities and the same greedy continuation.
 
 A chunk of n tokens replays the graphs of the smallest capacity T >= n with T - n padding tokens after

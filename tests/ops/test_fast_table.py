@@ -4,9 +4,9 @@ through `ninfer.targets.qwen3_6.kernels.fast_kernels()`) against the reference t
 The kernels themselves are tested one by one (tests/ops/test_triton_*.py); this checks the wiring that
 the model calls: which rows of the stacked MoE input projection are the router and which the shared
 expert, the shared expert's gate, the one-row GEMV dispatch and its fallback, the attention prologue and
-output gate, the GDN decode step's split of the stacked input projection (with and without the conv step
-in the GEMV's epilogue). CPU tests run in the Triton interpreter in a child process (tiny fp32 shapes);
-end to end on a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
+the gated prefill attention, the GDN decode step's split of the stacked input projection (with and
+without the conv step in the GEMV's epilogue). CPU tests run in the Triton interpreter in a child
+process (tiny fp32 shapes); end to end on a GPU, tests/gpu/test_fast_path.py compares greedy tokens.
 """
 
 from __future__ import annotations
@@ -118,14 +118,38 @@ def test_logits_are_the_reference_logits(table: Kernels, reference: Kernels) -> 
         assert torch.equal(got, got.half().float())  # the fp16 result widened, not an fp32 sum
 
 
-def test_attention_output_gate_matches_the_reference(table: Kernels, reference: Kernels) -> None:
-    gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, d, n = 2, 1, 8, 3
-    variant = SimpleNamespace(num_attention_heads=heads, head_dim=d, q_proj_dim=heads * 2 * d)
+@pytest.mark.parametrize("padded", [False, True])
+def test_gated_prefill_attention_matches_the_reference(
+    table: Kernels, reference: Kernels, padded: bool
+) -> None:
+    """Two rows (a fresh prompt, a chunk after a prefix) through the step's device bounds, the gate read
+    from qkv; a padded step (a prefill graph's capacity) gets zeros past its rows, as the reference."""
+    from ninfer.targets.qwen3_6.model import StepBatch
+
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, page_size = 4, 2, 16, 8
+    queries, contexts, padding = [9, 6], [9, 21], 5 if padded else 0
+    n = sum(queries) + padding
+    table_rows = torch.tensor([[3, 0, 0], [1, 4, 2]], dtype=torch.int32)
+    k_pages, v_pages = (torch.randn(5, page_size, kv_heads, d, generator=gen) for _ in range(2))
     qkv = torch.randn(n, heads * 2 * d + 2 * kv_heads * d, generator=gen)
-    o = torch.randn(n, heads, d, generator=gen)
-    want = reference.attention_output_gate(o, qkv, variant)
-    torch.testing.assert_close(table.attention_output_gate(o, qkv, variant), want, rtol=1e-5, atol=1e-6)
+    q = torch.randn(n, heads, d, generator=gen)
+    batch = StepBatch(
+        token_ids=torch.zeros(n, dtype=torch.long),
+        positions=torch.zeros(3, n, dtype=torch.long),
+        query_start=torch.tensor([0, 9, 15], dtype=torch.int32),
+        context_lens=torch.tensor(contexts, dtype=torch.int32),
+        block_table=table_rows,
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        state_in=torch.zeros(2, dtype=torch.long),
+        state_out=torch.zeros(2, dtype=torch.long),
+        fresh=torch.zeros(2, dtype=torch.bool),
+        padded=padded,
+    )
+    want = reference.gated_prefill_attention(q, k_pages, v_pages, batch, d**-0.5, qkv)
+    got = table.gated_prefill_attention(q, k_pages, v_pages, batch, d**-0.5, qkv)
+    assert got.shape == (n, heads * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_linear_add_rms_norm_equals_the_reference_composition(table: Kernels, reference: Kernels) -> None:
@@ -205,10 +229,9 @@ def test_linear_add_rms_norm_reads_settled_inputs_and_launches_early_at_one_row(
 
 
 def _flagged_ops() -> list[tuple[ModuleType, str]]:
-    import ninfer.ops.triton.attention_prologue as prologue
     import ninfer.ops.triton.norm as norm
 
-    return [(norm, "rms_norm"), (norm, "add_rms_norm"), (norm, "gated_rms_norm"), (prologue, "sigmoid_gate")]
+    return [(norm, "rms_norm"), (norm, "add_rms_norm"), (norm, "gated_rms_norm")]
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -216,8 +239,8 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
     table: Kernels, monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
     """The fast table's norms load their bound weight and the residual stream before the PDL wait
-    (settled), and the norms and the attention output gate let the next kernel launch early at one row
-    only (the H200 A/B: slower at eight rows); the results are the plain kernels', bit for bit."""
+    (settled), and let the next kernel launch early at one row only (the H200 A/B: slower at eight rows);
+    the results are the plain kernels', bit for bit."""
     ops = _flagged_ops()
     plain = {name: getattr(module, name) for module, name in ops}
     seen: dict[str, dict[str, bool]] = {}
@@ -232,20 +255,16 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
     x, residual = torch.randn(rows, 32, generator=gen), torch.randn(rows, 32, generator=gen)
     weight = torch.randn(32, generator=gen) * 0.1
     o, z = torch.randn(rows, 2, 16, generator=gen), torch.randn(rows, 2, 16, generator=gen)
-    qkv = torch.randn(rows, 80, generator=gen)
-    variant = SimpleNamespace(num_attention_heads=2, head_dim=16)
 
     got = (
         table.rms_norm(x, weight, 1e-6),
         *table.add_rms_norm(x, residual, weight, 1e-6),
         table.gated_rms_norm(o, weight[:16], z, 1e-6),
-        table.attention_output_gate(o, qkv, variant),
     )
     want = (
         plain["rms_norm"](x, weight, 1e-6),
         *plain["add_rms_norm"](x, residual, weight, 1e-6),
         plain["gated_rms_norm"](o, weight[:16], z, 1e-6),
-        plain["sigmoid_gate"](o, qkv, num_heads=2, head_dim=16),
     )
 
     early = rows == 1
@@ -253,7 +272,6 @@ def test_norms_load_settled_inputs_and_launch_next_early_at_one_row(
         "rms_norm": {"settled": True, "launch_next_early": early},
         "add_rms_norm": {"settled": True, "launch_next_early": early},
         "gated_rms_norm": {"launch_next_early": early},
-        "sigmoid_gate": {"launch_next_early": early},
     }
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 

@@ -1,8 +1,10 @@
-"""The vision tower's Triton rotary (`ninfer.ops.triton.vision_rope`) against the reference expression,
-and on CUDA the whole tower with it against the plain torch tower."""
+"""The vision tower's Triton rotary (`ninfer.ops.triton.vision_rope`) against the reference op
+(`ninfer.ops.rope.vision_qkv_rotary`), and the whole tower on the fast table against the tower on the
+reference table: in the interpreter at small dims over several frame lengths, on CUDA at the 27B's."""
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import pytest
@@ -23,17 +25,10 @@ def kernels() -> ModuleType:
 
 
 def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
-    """`vision._attention`'s q, k (rotated in fp32, as transformers) and v, each as [heads, n, D]."""
-    q, k, v = qkv.unbind(1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    """The reference table's op (as transformers: q and k rotated in fp32), each [heads, n, D]."""
+    from ninfer.ops.rope import vision_qkv_rotary
 
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    q = (q.float() * c + rotate_half(q.float()) * s).to(qkv.dtype)
-    k = (k.float() * c + rotate_half(k.float()) * s).to(qkv.dtype)
-    return [t.transpose(0, 1).contiguous() for t in (q, k, v)]
+    return list(vision_qkv_rotary(qkv, cos, sin))
 
 
 def _inputs(
@@ -75,21 +70,14 @@ def test_rotary_refuses_bad_shapes(kernels: ModuleType) -> None:
         kernels.vision_qkv_rotary(torch.zeros(4, 3, 2, 7), torch.zeros(4, 7), torch.zeros(4, 7))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_tower_with_the_kernel_equals_the_plain_tower_on_cuda(dtype: torch.dtype) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from ninfer.targets.qwen3_6.variant import VisionDims
+def _tower(dims: object, device: str, dtype: torch.dtype, gen: torch.Generator) -> object:
+    """Random vision weights of ``dims`` (a 2 x 16 x 16 patch embedding over 3 channels)."""
     from ninfer.targets.qwen3_6.view import VisionBlockView, VisionMergerView, VisionView
-    from ninfer.targets.qwen3_6.vision import vision_embeddings
 
-    dims = VisionDims(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=512)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     c, m, merged = dims.hidden_size, dims.intermediate_size, dims.hidden_size * 4
 
     def w(*shape: int, scale: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
 
     blocks = tuple(
         VisionBlockView(
@@ -99,7 +87,7 @@ def test_the_tower_with_the_kernel_equals_the_plain_tower_on_cuda(dtype: torch.d
         )  # fmt: skip
         for _ in range(dims.depth)
     )
-    view = VisionView(
+    return VisionView(
         patch_embed_weight=w(c, 3, 2, 16, 16), patch_embed_bias=w(c),
         pos_embed=w(dims.num_position_embeddings, c), blocks=blocks,
         merger=VisionMergerView(
@@ -107,11 +95,46 @@ def test_the_tower_with_the_kernel_equals_the_plain_tower_on_cuda(dtype: torch.d
             fc1_bias=w(merged), fc2_weight=w(dims.out_hidden_size, merged), fc2_bias=w(dims.out_hidden_size),
         ),
     )  # fmt: skip
+
+
+def test_the_fast_tables_tower_equals_the_reference_tower_in_the_interpreter(kernels: ModuleType) -> None:
+    """Two images of different sizes (two frame lengths, so the attention runs per frame group) and a
+    two-frame video, through the interpreted fast table's rotary and the reference table's: the same
+    embeddings in fp32."""
+    from ninfer.targets.qwen3_6.variant import VisionDims
+    from ninfer.targets.qwen3_6.vision import vision_embeddings
+
+    tables = interpreted_kernels("ninfer.targets.qwen3_6.kernels")
+    dims = VisionDims(depth=2, hidden_size=64, num_heads=2, intermediate_size=96, out_hidden_size=32)
+    gen = torch.Generator().manual_seed(1)
+    view = _tower(dims, "cpu", torch.float32, gen)
+    grids = [(1, 4, 4), (1, 2, 6), (2, 2, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fla-core absent: only GDN prefill falls back
+        fast = tables.fast_kernels()
+    got = vision_embeddings(view, dims, pixels, grids, fast)
+    want = vision_embeddings(view, dims, pixels, grids, tables.REFERENCE)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_tower_with_the_kernel_equals_the_plain_tower_on_cuda(dtype: torch.dtype) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ninfer.targets.qwen3_6.kernels import REFERENCE, fast_kernels
+    from ninfer.targets.qwen3_6.variant import VisionDims
+    from ninfer.targets.qwen3_6.vision import vision_embeddings
+
+    dims = VisionDims(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=512)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    view = _tower(dims, "cuda", dtype, gen)
     grid = (1, 32, 32)
     pixels = torch.randn(32 * 32, 3 * 2 * 16 * 16, device="cuda", generator=gen)
     with torch.inference_mode():
-        plain = vision_embeddings(view, dims, pixels, [grid])
-        fast = vision_embeddings(view, dims, pixels, [grid], fast=True)
+        plain = vision_embeddings(view, dims, pixels, [grid], REFERENCE)
+        fast = vision_embeddings(view, dims, pixels, [grid], fast_kernels())
     error = (fast.float() - plain.float()).abs().max() / plain.float().abs().max()
     assert error <= (1e-5 if dtype == torch.float32 else 2e-2), float(error)
     assert F.cosine_similarity(fast.float().flatten(), plain.float().flatten(), dim=0) > 0.9999

@@ -1,5 +1,6 @@
-"""The op tables of `ninfer.targets.qwen3_6.kernels`: selection rules, the fast prefill attention (plain
-SDPA, so it runs on CPU too; `ninfer.ops.attention`) against the reference paged attention, and fla's
+"""The op tables of `ninfer.targets.qwen3_6.kernels`: selection rules, the SDPA prefill attention (the
+Triton kernel's baseline, plain torch, so it runs on CPU too; `ninfer.ops.attention`) and the reference
+table's gated prefill attention against the reference paged attention, and fla's
 varlen chunk table (`ninfer.ops.gdn`), kept per step."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from ninfer.ops.attention import paged_attention, sdpa_prefill_attention
+from ninfer.ops.attention import gated_output, paged_attention, sdpa_prefill_attention
 from ninfer.ops.gdn import fla_varlen
 from ninfer.targets.qwen3_6.kernels import REFERENCE, select_kernels
 from ninfer.targets.qwen3_6.model import StepBatch
@@ -43,6 +44,7 @@ def test_sdpa_prefill_attention_equals_reference(heads: int, kv_heads: int) -> N
     k_pages = torch.randn(sum(pages_per_row), page_size, kv_heads, dim, generator=gen)
     v_pages = torch.randn(sum(pages_per_row), page_size, kv_heads, dim, generator=gen)
     q = torch.randn(sum(queries), heads, dim, generator=gen)
+    qkv = torch.randn(sum(queries), heads * 2 * dim, generator=gen)
     query_start = torch.tensor([0, 9, 14, 15], dtype=torch.int32)
     context_lens = torch.tensor(contexts, dtype=torch.int32)
 
@@ -51,7 +53,8 @@ def test_sdpa_prefill_attention_equals_reference(heads: int, kv_heads: int) -> N
         batch = _batch(query_start, context_lens, table, host)
         got = sdpa_prefill_attention(q, k_pages, v_pages, batch, dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(REFERENCE.prefill_attention(q, k_pages, v_pages, batch, dim**-0.5), want)
+        gated = REFERENCE.gated_prefill_attention(q, k_pages, v_pages, batch, dim**-0.5, qkv)
+        torch.testing.assert_close(gated, gated_output(want, qkv))
 
 
 def _batch(query_start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, host: bool) -> StepBatch:

@@ -14,7 +14,10 @@ table (`ninfer.targets.qwen3_6.kernels.fast_kernels`) names:
 - moe_decode: `moe_decode_block`, the decode MoE block after the stacked input GEMV in two launches (the
   routing inside the experts' gate/up launch).
 - attention_prologue: `qk_norm_rope_kv_write` (q/k norm + partial RoPE + K/V page write in one launch)
-  and `sigmoid_gate` (the attention output gate read in place from the projection output; prefill).
+  and `sigmoid_gate` (the attention output gate read in place from the projection output: the reference
+  the gated attention kernels equal bit for bit).
+- paged_prefill_attention: `paged_prefill_attention`, varlen paged causal attention for prefill (GQA and
+  pages read in place, bounds on the device, the gate where it writes).
 - skinny_gemm: `skinny_linear`, the GEMV for one-row projections (decode at B = 1).
 - rope: `mrope_cos_sin`, the M-RoPE cos/sin tables in one launch.
 - argmax: `argmax_rows`, the greedy draw over the vocabulary at the end of a decode graph.

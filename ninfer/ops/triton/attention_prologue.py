@@ -1,5 +1,5 @@
-"""Triton prologue / epilogue of Qwen3.6 gated attention (the fast table's `attention_prologue` and
-`attention_output_gate`).
+"""Triton prologue / epilogue of Qwen3.6 gated attention (the fast table's `attention_prologue`; the
+gate alone, `sigmoid_gate`, is the gated attention kernels' bit-exact reference in tests and tools).
 
 Between the attention layer's stacked qkv GEMM and its o_proj GEMM the reference runs about a dozen
 small launches (q/k RMSNorm, partial RoPE with its slices and cats, two K/V `index_copy_`s, the gate's

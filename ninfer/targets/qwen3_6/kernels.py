@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ninfer.ops import attention, gdn, linear, moe, norm
 from ninfer.ops.mlp import swiglu
-from ninfer.ops.rope import mrope_cos_sin
+from ninfer.ops.rope import mrope_cos_sin, vision_qkv_rotary
 from ninfer.ops.sampling import argmax_rows
 
 if TYPE_CHECKING:
@@ -80,23 +80,25 @@ class Kernels:
     gdn_decode: GdnDecode  # T tokens per row (batch.tokens_per_row): graph-capturable
     gdn_prefill: GdnStep  # rows of any length
     # (q [N, nH, D], k_pages, v_pages, block_table [N, maxp], context_lens [N], scale, qkv, tokens_per_row)
-    # -> the gated output [N, nH*D] (`attention_output_gate` of the attention's [N, nH, D], its gate read
+    # -> the gated output [N, nH*D] (o * sigmoid(gate) of the attention's [N, nH, D] o, its gate read
     # from qkv): one query per table row, each seeing its context_lens positions; the step wrote the last
     # tokens_per_row positions of each row's run of queries: graph-capturable
     gated_decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Tensor, int], Tensor]
-    # (q [N, nH, D], k_pages, v_pages, batch, scale) -> [N, nH, D]: rows, pages and lengths from the batch
-    prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float], Tensor]
+    # (q [N, nH, D], k_pages, v_pages, batch, scale, qkv) -> the gated output [N, nH*D], its gate read from
+    # qkv's q columns: rows of any length, pages and lengths from the batch (a padded batch's padding
+    # tokens read as zeros); the fast form is graph-capturable (no host facts)
+    gated_prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float, Tensor], Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
     # -> q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots
     attention_prologue: Callable[
         [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Variant], Tensor
     ]
-    # (o [N, nH, D], qkv, variant) -> o * sigmoid(gate) [N, nH*D], the gate read from qkv's q columns
-    # (prefill; a decode step gates inside `gated_decode_attention`)
-    attention_output_gate: Callable[[Tensor, Tensor, Variant], Tensor]
     # (w, variant, x [N, H], decode) -> [N, H] in x's dtype: the whole sparse MoE block (routing, routed
     # experts, sigmoid-gated shared expert); decode: a few tokens inside a CUDA graph (static, no sync)
     moe_block: Callable[[MoeMlpView, Variant, Tensor, bool], Tensor]
+    # the vision tower's (qkv [n, 3, heads, D], cos, sin [n, D]) -> q, k, v contiguous [heads, n, D], q and
+    # k rotated in fp32 (`ninfer.ops.rope.vision_qkv_rotary`)
+    vision_qkv_rotary: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
     # (x [M, K], w [N, K]) -> x @ w.T: every dense projection
     linear: Callable[[Tensor, Tensor], Tensor]
     # (act [M, K], w [N, K], residual [M, N], weight, eps) -> add_rms_norm(act @ w.T, residual, weight, eps):
@@ -193,13 +195,6 @@ def _prologue(op: Callable[..., Tensor]) -> Prologue:
     return entry
 
 
-def _output_gate(op: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Variant], Tensor]:
-    def entry(o: Tensor, qkv: Tensor, variant: Variant) -> Tensor:
-        return op(o, qkv)  # the heads are o's own dims
-
-    return entry
-
-
 def _moe(op: Callable[[moe.MoeMlpWeights, Tensor, int, bool], Tensor]) -> Callable[..., Tensor]:
     def entry(w: MoeMlpView, variant: Variant, x: Tensor, decode: bool) -> Tensor:
         return op(_moe_weights(w), x, variant.num_experts_per_tok, decode)
@@ -219,13 +214,13 @@ REFERENCE = Kernels(
     gdn_decode=_gdn_decode(gdn.gdn_decode),
     gdn_prefill=_gdn_prefill(gdn.gdn_prefill),
     gated_decode_attention=attention.gated_decode_attention,
-    prefill_attention=attention.prefill_attention,
+    gated_prefill_attention=attention.gated_prefill_attention,
     attention_prologue=_prologue(attention.attention_prologue),
-    attention_output_gate=_output_gate(attention.attention_output_gate),
     moe_block=_moe(moe.moe_mlp),
     linear=F.linear,
     linear_add_rms_norm=linear.linear_add_rms_norm,
     mrope_cos_sin=mrope_cos_sin,
+    vision_qkv_rotary=vision_qkv_rotary,
     logits=linear.logits,
     argmax=argmax_rows,
 )
@@ -236,6 +231,7 @@ def fast_kernels() -> Kernels:
     from ninfer.ops.triton.activation import swiglu as triton_swiglu
     from ninfer.ops.triton.argmax import argmax_rows as triton_argmax_rows
     from ninfer.ops.triton.rope import mrope_cos_sin as triton_mrope_cos_sin
+    from ninfer.ops.triton.vision_rope import vision_qkv_rotary as triton_vision_qkv_rotary
 
     gdn_prefill = gdn.fast_gdn_prefill
     try:  # the `gpu` extra; without it prefill keeps the reference delta rule (correct, slower)
@@ -256,13 +252,13 @@ def fast_kernels() -> Kernels:
         gdn_decode=_gdn_decode(gdn.fast_gdn_decode),
         gdn_prefill=_gdn_prefill(gdn_prefill),
         gated_decode_attention=attention.fast_gated_decode_attention,
-        prefill_attention=attention.sdpa_prefill_attention,
+        gated_prefill_attention=attention.fast_gated_prefill_attention,
         attention_prologue=_prologue(attention.fast_attention_prologue),
-        attention_output_gate=_output_gate(attention.fast_attention_output_gate),
         moe_block=_moe(moe.fast_moe_mlp),
         linear=linear.fast_linear,
         linear_add_rms_norm=linear.fast_linear_add_rms_norm,
         mrope_cos_sin=triton_mrope_cos_sin,
+        vision_qkv_rotary=triton_vision_qkv_rotary,
         logits=linear.fast_logits,
         argmax=triton_argmax_rows,
     )

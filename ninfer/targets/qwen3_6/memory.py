@@ -8,14 +8,14 @@ builds the Program from the plan on every device.
 CUDA: NInfer may hold ``gpu_memory_fraction`` of the device's TOTAL memory, weights included (vLLM's
 ``--gpu-memory-utilization``). What is held already when the Program is sized (the weights, the CUDA
 context, anything else on the device) comes off first, then the working space (`working_space`:
-activations of one prefill unit, the sampler and the decode graphs' pool, the vision workspace, and the
-prefill attention's gathered K/V at the longest context), then the lanes' state slots and the
-checkpoints' state slots; the rest is the shared KV page pool. Active requests and checkpoints take pages
-from the same pool (an inactive checkpoint is evicted when a request needs its pages), and
-``max_concurrency`` does not split it: a request reserves its complete growth and waits (Blocked) while
-the pool is held by others. ``max_context`` defaults to the model's positions when one request of that
-length fits in the pool, else to the largest that fits (whole pages). The pool holds at most
-``MAX_POOL_CONTEXTS`` requests at ``max_context`` (a bound only small models reach).
+activations of one prefill unit, the sampler and the decode graphs' pool, the vision workspace, and with
+the reference ops on CUDA their attention's gathered K/V and scores at the longest context), then the
+lanes' state slots and the checkpoints' state slots; the rest is the shared KV page pool. Active requests
+and checkpoints take pages from the same pool (an inactive checkpoint is evicted when a request needs its
+pages), and ``max_concurrency`` does not split it: a request reserves its complete growth and waits
+(Blocked) while the pool is held by others. ``max_context`` defaults to the model's positions when one
+request of that length fits in the pool, else to the largest that fits (whole pages). The pool holds at
+most ``MAX_POOL_CONTEXTS`` requests at ``max_context`` (a bound only small models reach).
 
 CPU: the pool is ``max_context x max_concurrency`` pages plus the context cache's share (at most 1 GiB),
 ``max_context`` defaults to ``min(model, 32768)``: small, fast to allocate, and what the CPU tests use.
@@ -167,7 +167,7 @@ class MemoryPlan:
 def working_space(config: EngineConfig, device: torch.device, max_image_tokens: int) -> int:
     """Bytes to leave free beside the state whatever the context: activations (they grow with the prefill
     unit), sampling and graph pools, 2 GiB per 2048-token unit, as much again per 2048 tokens of the
-    largest prefill graph (its pool and the layers' q it keeps); the vision tower's, about 32 KiB per patch
+    largest prefill graph (its pool); the vision tower's, about 32 KiB per patch
     (4 patches per image token) at its widest layer."""
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
     fast_graphs = config.cuda_graphs and resolve_kernels(device, config.kernels) == "fast" and fla_available()
@@ -184,13 +184,14 @@ def attention_workspace(
     max_concurrency: int,
 ) -> int:  # fmt: skip
     """Bytes the attention of one layer holds at ``context`` positions beyond the prefill unit's
-    activations. Fast ops (`sdpa_prefill_attention`): a row's K and V gathered from its pages and repeated
-    to every query head. Reference ops: those in fp32 and the [heads, unit, context] fp32 scores, or the
-    decode's gather of every row's whole table, whichever is larger."""
+    activations. Fast ops: none (the prefill and decode kernels read the pages in place; the decode's
+    split partials are a few KiB a row). Reference ops: a row's K and V gathered and repeated to every
+    query head in fp32 and the [heads, unit, context] fp32 scores, or the decode's gather of every row's
+    whole table, whichever is larger."""
+    if resolve_kernels(device, config.kernels) == "fast":
+        return 0
     elem = torch.empty((), dtype=dtype).element_size()
     heads, kv_heads, dim = variant.num_attention_heads, variant.num_kv_heads, variant.head_dim
-    if resolve_kernels(device, config.kernels) == "fast":
-        return 2 * context * (kv_heads + heads) * dim * elem
     chunk = prefill_unit(config.prefill_chunk_tokens, device, config.kernels)
     scores = REFERENCE_SCORE_COPIES * heads * 4  # fp32 score bytes per (query, key) pair, all heads
     prefill = scores * chunk * context + 2 * context * (kv_heads + heads) * dim * 4

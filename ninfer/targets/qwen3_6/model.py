@@ -186,7 +186,7 @@ class StepBatch:
     inputs_embeds [N, H] | None   replaces every token embedding (tests, the demo trainer)
     taps          layer indices whose output (the residual stream after the layer) the forward returns
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
-    context_lens_host             context_lens as host ints (prefill attention reads them)
+    context_lens_host             context_lens as host ints (the SDPA prefill baseline reads them)
     padded                        the token tensors are a prefill graph's capacity: one row whose tokens
                                   from query_start[-1] (on the device) on are padding: their KV slot is
                                   -1, the GDN state is the state after the last real token, and every op
@@ -510,7 +510,8 @@ def attention_activation(
     """`attention_mixer` up to o_proj: the gated attention output [N, nH*D].
 
     The prologue normalises and ropes q and k and writes k and v into their slots; the output gate
-    reads its columns of qkv in place (at decode inside the attention op, where its output is written).
+    reads its columns of qkv in place, inside the attention op (decode or prefill), where its output is
+    written.
     """
     qkv = attention_qkv(w, x, kernels)
     q = kernels.attention_prologue(
@@ -522,8 +523,7 @@ def attention_activation(
         return kernels.gated_decode_attention(
             q, k_pages, v_pages, block_table, context_lens, scale, qkv, batch.tokens_per_row or 1
         )
-    o = kernels.prefill_attention(q, k_pages, v_pages, batch, scale)
-    return kernels.attention_output_gate(o, qkv, variant)
+    return kernels.gated_prefill_attention(q, k_pages, v_pages, batch, scale, qkv)
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The Qwen3.6 vision tower: preprocessed patches -> one embedding per merged 2 x 2 patch block.
 
-Plain PyTorch, the same code on CPU (the reference) and GPU, equal to transformers'
-``Qwen3_5VisionModel`` (its ``pooler_output``):
+PyTorch, the same code on CPU (the reference) and GPU, equal to transformers' ``Qwen3_5VisionModel``
+(its ``pooler_output``):
 
 1. patch embed: the Conv3d with kernel = stride = (temporal, patch, patch) is a linear map of each
    flattened ``pixel_values`` row (c, t, py, px), computed as one GEMM;
@@ -16,9 +16,9 @@ Plain PyTorch, the same code on CPU (the reference) and GPU, equal to transforme
 
 Attention over images of different sizes runs as one ``scaled_dot_product_attention`` call per distinct
 frame length (frames of equal length are stacked into a batch), so there is no Python loop over patches
-or frames and no [N, N] mask; on CUDA SDPA picks its flash / memory-efficient kernels. With ``fast`` (the
-fast op table, on CUDA) and frames of one length, the rotary and SDPA's q/k/v layout are one Triton launch
-a block (`ninfer.ops.triton.vision_rope`), the same fp32 arithmetic.
+or frames and no [N, N] mask; on CUDA SDPA picks its flash / memory-efficient kernels. The rotary and the
+q/k/v relayout SDPA reads are the op table's ``vision_qkv_rotary`` (on the fast table one Triton launch a
+block, `ninfer.ops.triton.vision_rope`, the same fp32 arithmetic).
 
 `image_pad_rows` gives the prompt rows the output goes to (``PreparedImage.token_offset`` and
 ``num_tokens``).
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels
 from ninfer.targets.qwen3_6.variant import VisionDims
 from ninfer.targets.qwen3_6.view import VisionBlockView, VisionView
 
@@ -68,13 +69,17 @@ def check_grids(pixel_values: Tensor, grids: Sequence[Grid], dims: VisionDims) -
 
 
 def vision_embeddings(
-    view: VisionView, dims: VisionDims, pixel_values: Tensor, grids: Sequence[Grid], *, fast: bool = False
+    view: VisionView,
+    dims: VisionDims,
+    pixel_values: Tensor,
+    grids: Sequence[Grid],
+    kernels: Kernels = REFERENCE,
 ) -> Tensor:
     """``[sum t*h*w/merge^2, out_hidden_size]`` in the weights' dtype, images in ``grids`` order.
 
     ``pixel_values`` is the row-concatenation of the images' ``PreparedImage.pixel_values`` (any float
-    dtype, on the weights' device); ``grids`` their ``grid_thw``. ``fast``: the Triton rotary on CUDA (the
-    Program's fast op table). Raises ValueError for mismatches.
+    dtype, on the weights' device); ``grids`` their ``grid_thw``. ``kernels``: the op table whose
+    ``vision_qkv_rotary`` the attention takes (the Program's). Raises ValueError for mismatches.
     """
     grids = [tuple(int(v) for v in g) for g in grids]
     check_grids(pixel_values, grids, dims)
@@ -91,7 +96,7 @@ def vision_embeddings(
     approximate = _ACTIVATIONS[dims.hidden_act]
     for block in view.blocks:
         h = F.layer_norm(x, (x.shape[-1],), block.norm1_weight, block.norm1_bias, _LN_EPS)
-        x = x + _attention(h, block, dims, cos, sin, frames, fast)
+        x = x + _attention(h, block, dims, cos, sin, frames, kernels)
         h = F.layer_norm(x, (x.shape[-1],), block.norm2_weight, block.norm2_bias, _LN_EPS)
         h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate=approximate)
         x = x + F.linear(h, block.fc2_weight, block.fc2_bias)
@@ -178,11 +183,6 @@ def _frame_groups(grids: Sequence[Grid], device: torch.device) -> list[tuple[int
     return groups
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _attention(
     x: Tensor,
     block: VisionBlockView,
@@ -190,30 +190,18 @@ def _attention(
     cos: Tensor,
     sin: Tensor,
     frames: list[tuple[int, Tensor | None]],
-    fast: bool = False,
+    kernels: Kernels,
 ) -> Tensor:
     n, hidden = x.shape
     heads, head_dim = dims.num_heads, dims.head_dim
     qkv = F.linear(x, block.qkv_weight, block.qkv_bias).view(n, 3, heads, head_dim)
-    if fast and x.is_cuda and len(frames) == 1 and frames[0][1] is None:
-        from ninfer.ops.triton.vision_rope import vision_qkv_rotary
-
-        length = frames[0][0]
-        heads_first = vision_qkv_rotary(qkv, cos, sin)  # [heads, n, D] each, q and k rotated
-        q, k, v = (t.view(heads, -1, length, head_dim).transpose(0, 1) for t in heads_first)
-        o = F.scaled_dot_product_attention(q, k, v)  # [frames, heads, length, D]
-        out = o.transpose(1, 2).reshape(n, hidden)
-        return F.linear(out, block.proj_weight, block.proj_bias)
-    q, k, v = qkv.unbind(1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)  # rotary in fp32, as transformers
-    k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
-    out = torch.empty_like(q)
+    q, k, v = kernels.vision_qkv_rotary(qkv, cos, sin)  # [heads, n, D] each, q and k rotated
+    out = torch.empty(n, heads, head_dim, dtype=x.dtype, device=x.device)
     for length, rows in frames:
 
         def frames_of(t: Tensor, rows: Tensor | None = rows, length: int = length) -> Tensor:
-            picked = t if rows is None else t[rows]
-            return picked.view(-1, length, heads, head_dim).transpose(1, 2)  # [frames, heads, len, dim]
+            picked = t if rows is None else t[:, rows]
+            return picked.view(heads, -1, length, head_dim).transpose(0, 1)  # [frames, heads, len, dim]
 
         o = F.scaled_dot_product_attention(frames_of(q), frames_of(k), frames_of(v))
         o = o.transpose(1, 2).reshape(-1, heads, head_dim)

@@ -146,7 +146,7 @@ class StepExecutor:
         self, step: PackedStep, kernels: Kernels, memo: dict[str, object]
     ) -> tuple[StepBatch, torch.Tensor]:
         """The work a prefill graph captures: the padded chunk unpacked, then the forward to the hidden
-        states, under ``kernels`` (the capture's, cut at the attention) and starting from ``memo``."""
+        states, under ``kernels`` and starting from ``memo``."""
         batch = self.steps.unpack(step)
         batch.memo.update(memo)
         out = forward(self.view, self.variant, batch, self.store, logits="none", kernels=kernels)

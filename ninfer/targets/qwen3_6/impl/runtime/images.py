@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ninfer.targets.qwen3_6.kernels import Kernels
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.qwen3_6.vision import vision_embeddings
@@ -32,18 +33,18 @@ class PromptImages:
         self._features: dict[int, torch.Tensor] = {}  # image index -> [num_tokens, H] on the device
 
     def splice(
-        self, start: int, end: int, view: ModelView, variant: Variant, *, fast: bool = False
+        self, start: int, end: int, view: ModelView, variant: Variant, kernels: Kernels
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(chunk-relative token indices [M], their embeddings [M, H]) for the image pads among prompt
-        positions ``start..end-1``, running the tower for images not computed yet (``fast``: on the fast
-        op table, `vision_embeddings`'s); None without any."""
+        positions ``start..end-1``, running the tower (on the op table ``kernels``) for images not computed
+        yet; None without any."""
         needed = [
             i for i, image in enumerate(self.images)
             if image.token_offset < end and image.token_offset + image.num_tokens > start
         ]  # fmt: skip
         if not needed:
             return None
-        self._compute([i for i in needed if i not in self._features], view, variant, fast)
+        self._compute([i for i in needed if i not in self._features], view, variant, kernels)
         indices, embeds = [], []
         for i in needed:
             image = self.images[i]
@@ -58,7 +59,7 @@ class PromptImages:
                 del self._features[i]
         return torch.cat(indices), torch.cat(embeds)
 
-    def _compute(self, which: Sequence[int], view: ModelView, variant: Variant, fast: bool) -> None:
+    def _compute(self, which: Sequence[int], view: ModelView, variant: Variant, kernels: Kernels) -> None:
         if not which:
             return
         if view.vision is None or variant.vision is None:
@@ -68,7 +69,7 @@ class PromptImages:
         # the prompt's arrays are read-only (it owns them); the tower reads a device copy
         pixels = torch.cat([torch.tensor(image.pixel_values) for image in images]).to(device)
         features = vision_embeddings(
-            view.vision, variant.vision, pixels, [image.grid_thw for image in images], fast=fast
+            view.vision, variant.vision, pixels, [image.grid_thw for image in images], kernels
         )
         offset = 0
         for i, image in zip(which, images):

@@ -88,7 +88,7 @@ class ProgramConfig:
     dtype: torch.dtype
     cuda_graphs: bool = False  # capture the decode backend's uniform steps per exact (B, T) (CUDA only)
     # with cuda_graphs and the fast table: one-row prefill chunks of up to this many tokens replay
-    # piecewise graphs of capacities 64, 128, ... (prefill_graphs.py); 0: every chunk eager
+    # graphs of capacities 64, 128, ... (prefill_graphs.py); 0: every chunk eager
     prefill_graph_tokens: int = 0
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
     decode_lookahead: bool = False  # the plain backend queues the next decode behind each (plain.py)
@@ -389,7 +389,7 @@ class Qwen36Program:
         chunk = seq.prompt[start:end]
         splice = None
         if seq.images is not None:
-            splice = seq.images.splice(start, end, self.view, self.variant, fast=self.kernels.name == "fast")
+            splice = seq.images.splice(start, end, self.view, self.variant, self.kernels)
         if remaining > budget_tokens:
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
             run = self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
