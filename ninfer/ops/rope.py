@@ -96,19 +96,12 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((x_embed, x_pass), dim=-1).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def vision_qkv_rotary(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The vision tower's qkv projection output [n, 3, heads, D] -> q, k, v, each contiguous [heads, n, D]
-    (the layout its attention reads per frame): q and k rotated in fp32 by cos, sin [n, D], as
-    transformers, ``(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)``; v as it is."""
+    (the layout its attention reads per frame): q and k rotated over the whole head by cos, sin [n, D]
+    (`apply_partial_rope` with rotary_dim = D: fp32 math, as transformers); v as it is."""
     q, k, v = qkv.unbind(1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    q = (q.float() * c + _rotate_half(q.float()) * s).to(qkv.dtype)
-    k = (k.float() * c + _rotate_half(k.float()) * s).to(qkv.dtype)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     return q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
