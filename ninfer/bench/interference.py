@@ -1,11 +1,12 @@
 """`ninfer bench --interference PROMPT_TOKENS`: decoding streams while a long prompt arrives.
 
 ``streams`` requests decode; once each has its first token, one cold prompt of ``prompt_tokens`` tokens
-arrives. The report gives, with prefill pacing on (`EngineConfig.max_decode_gap_ms`, the Engine's
-default for its op table unless given) and off (0), the streams' gaps between two tokens while that
-prompt is prefilled (from its arrival to its first token), and its TTFT beside its TTFT alone on the same
-Engine. Two Engines over the same weights (the setting is fixed at start). Times are the caller's
-(`time.perf_counter` at each streamed event), as a client sees them.
+arrives. The report gives, with prefill pacing on (`EngineConfig.max_decode_gap_ms`: the Engine's
+default for its op table, or each bound given) and off (0), the streams' gaps between two tokens while
+that prompt is prefilled (from its arrival to its first token), and its TTFT beside its TTFT alone on the
+same Engine. One Engine per bound and one unpaced, over the same weights (the setting is fixed at
+start), so the bounds compare on one machine. Times are the caller's (`time.perf_counter` at each
+streamed event), as a client sees them.
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ class InterferencePlan:
     streams: int = 4  # requests decoding when it arrives
     context: int = 512  # each stream's prompt
     stream_tokens: int = 4096  # each stream's budget (it is cancelled once the long prompt has its token)
-    max_decode_gap_ms: float | None = None  # the pacing run's bound (None: the Engine's default)
+    # the paced runs' bounds, one Engine each (None: the Engine's default)
+    bounds_ms: tuple[float | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 2 or self.streams < 1 or self.context < 1 or self.stream_tokens < 2:
             raise ValueError("--interference needs a prompt of 2+ tokens and at least one stream")
+        if not self.bounds_ms or any(b is not None and not b > 0 for b in self.bounds_ms):
+            raise ValueError(f"--interference needs pacing bounds > 0 ms, got {self.bounds_ms}")
 
     @property
     def max_context(self) -> int:
@@ -166,11 +170,13 @@ def _row(
     return InterferenceRow(pacing, bound, solo, ttft, tuple(gaps))
 
 
-def interference_config(options: BenchOptions, plan: InterferencePlan) -> EngineConfig:
+def interference_config(
+    options: BenchOptions, plan: InterferencePlan, bound_ms: float | None
+) -> EngineConfig:
     base = engine_config(options)
     return replace(
         base, max_concurrency=plan.streams + 1, queue_capacity=plan.streams + 1, max_context=plan.max_context,
-        max_decode_gap_ms=plan.max_decode_gap_ms, prefix_cache=False, cache_memory_gb=None,
+        max_decode_gap_ms=bound_ms, prefix_cache=False, cache_memory_gb=None,
     )  # fmt: skip
 
 
@@ -185,16 +191,20 @@ def run_interference(
             f"--interference {plan.prompt_tokens} needs {plan.max_context} positions; the model holds "
             f"{package.variant.max_position_embeddings}"
         )
-    config = interference_config(options, plan)
-    probe, started = probe_and_start(options, config, log)
+    first, *others = plan.bounds_ms
+    probe, started = probe_and_start(options, interference_config(options, plan, first), log)
     header = run_header(started, probe)
     prompts = PromptSource(first_special_id(package.variant.special), options.seed)
     rows = []
     try:
-        log(f"pacing on: {plan.streams} streams + one {plan.prompt_tokens}-token prompt")
-        rows.append(_row(started, plan, prompts, "on"))
-        log("pacing off: a second Engine over the same weights")
-        started = restart(started, replace(config, max_decode_gap_ms=0.0))
+        for i, bound in enumerate(plan.bounds_ms):
+            if i:
+                started = restart(started, interference_config(options, plan, bound))
+            log(f"pacing on at {started.engine.config.max_decode_gap_ms} ms: {plan.streams} streams + one "
+                f"{plan.prompt_tokens}-token prompt")  # fmt: skip
+            rows.append(_row(started, plan, prompts, "on"))
+        log("pacing off: another Engine over the same weights")
+        started = restart(started, interference_config(options, plan, 0.0))
         rows.append(_row(started, plan, prompts, "off"))
     finally:
         if started.engine is not None:

@@ -68,6 +68,17 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def bound_list(text: str) -> tuple[float, ...]:
+    """``"100,120"`` -> (100.0, 120.0): each > 0, in the order given."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds such as 100,120, got {text!r}") from None
+    if not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"pacing bounds must be > 0 ms, got {text!r}")
+    return values
+
+
 def image_sizes(text: str) -> tuple[tuple[int, int], ...]:
     from ninfer.bench.image import parse_sizes
 
@@ -211,9 +222,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-decode-gap-ms",
-        type=float,
+        type=bound_list,
         default=None,
-        help="the pacing bound of --interference's first run (default: the Engine's, 100 ms on CUDA)",
+        help="MS[,MS...]: the pacing bounds of --interference's paced runs, one Engine each, before the "
+        "unpaced one (default: the Engine's bound, 100 ms on CUDA)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and the prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -298,8 +310,6 @@ def mode_problem(args: argparse.Namespace) -> str | None:
             "--interference runs its own streams, cold and without drafts: drop --batch, --speculative "
             "and --prefix-cache"
         )
-    if args.max_decode_gap_ms is not None and not args.max_decode_gap_ms >= 0:
-        return "--max-decode-gap-ms must be >= 0"
     if not multi:
         for flag in ("turn_tokens", "reply_tokens"):
             if getattr(args, flag) is not None:
@@ -390,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
                 prompt_tokens=args.interference,
                 streams=args.streams or 4,
                 context=args.context[0],
-                max_decode_gap_ms=args.max_decode_gap_ms,
+                bounds_ms=args.max_decode_gap_ms or (None,),
             )
             report = run_interference(options, interference_plan, log=log)
             render = render_interference

@@ -167,7 +167,8 @@ def _rotary(row: Tensor, col: Tensor, dims: VisionDims) -> tuple[Tensor, Tensor]
 
 def _frame_groups(grids: Sequence[Grid], device: torch.device) -> list[tuple[int, Tensor | None]]:
     """(frame length, rows of all frames of that length, or None when that is every row in order):
-    attention runs within each frame, frames of one length as one batch. Built once per call."""
+    attention runs within each frame, frames of one length as one batch. Built once per call, from
+    device ranges only (no host copy: the call can be captured in a CUDA graph, `VisionTower`)."""
     starts: dict[int, list[int]] = {}
     offset = 0
     for t, h, w in grids:
@@ -178,8 +179,7 @@ def _frame_groups(grids: Sequence[Grid], device: torch.device) -> list[tuple[int
         return [(next(iter(starts)), None)]
     groups: list[tuple[int, Tensor | None]] = []
     for length, firsts in starts.items():
-        rows = torch.tensor(firsts, device=device)[:, None] + torch.arange(length, device=device)
-        groups.append((length, rows.reshape(-1)))
+        groups.append((length, torch.cat([torch.arange(f, f + length, device=device) for f in firsts])))
     return groups
 
 
