@@ -1,6 +1,6 @@
-"""Dense projections: ``x @ w.T`` (every projection of the model), the logits, and a block's output
-projection with the residual add and the next norm. Reference forms (cuBLAS through `F.linear`) and fast
-forms side by side.
+"""Dense projections: ``x @ w.T`` (every projection of the model), the logits, a block's output
+projection with the residual add and the next norm, and the vision MLP's first projection with its bias
+and tanh GELU. Reference forms (cuBLAS through `F.linear`) and fast forms side by side.
 
 The fast forms stream the weight with our GEMV (`ninfer.ops.triton.skinny_gemm`) where it reads it
 faster than cuBLAS on the H200 (`takes_skinny`: every one-row shape, and the 2..8-row shapes its sweep
@@ -20,8 +20,10 @@ from ninfer.ops.triton import schedule
 __all__ = [
     "fast_linear",
     "fast_linear_add_rms_norm",
+    "fast_linear_gelu_tanh",
     "fast_logits",
     "linear_add_rms_norm",
+    "linear_gelu_tanh",
     "logits",
     "takes_skinny",
 ]
@@ -39,6 +41,22 @@ def linear_add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """add_rms_norm(act @ w.T, residual, weight, eps) -> (normed, summed)."""
     return add_rms_norm(F.linear(act, w), residual, weight, eps)
+
+
+def linear_gelu_tanh(x: Tensor, w: Tensor, bias: Tensor) -> Tensor:
+    """gelu(x @ w.T + bias, approximate="tanh"): the vision blocks' fc1 and activation."""
+    return F.gelu(F.linear(x, w, bias), approximate="tanh")
+
+
+def fast_linear_gelu_tanh(x: Tensor, w: Tensor, bias: Tensor) -> Tensor:
+    """`linear_gelu_tanh` on CUDA as one cuBLASLt GEMM whose epilogue adds the bias and applies the tanh
+    GELU to the fp32 sum before its one rounding (``torch._addmm_activation``; its CUDA GELU is the tanh
+    form, checked on the device by tests/gpu/test_vision_graphs_cuda.py), so the [M, N] activation is
+    written once instead of written, read and written again. Elsewhere (its CPU GELU is the exact form)
+    the reference."""
+    if x.is_cuda and x.dim() == 2:
+        return torch._addmm_activation(bias, x, w.t(), use_gelu=True)
+    return linear_gelu_tanh(x, w, bias)
 
 
 def takes_skinny(x: Tensor, w: Tensor) -> bool:

@@ -1,8 +1,12 @@
-"""The vision tower replayed as CUDA graphs (`VisionTower`) against the eager tower: the same kernels, so
-the same bits, for one image and for a call of several images of different sizes and frame counts;
+"""The fast table's fused fc1 + tanh GELU (`linear.fast_linear_gelu_tanh`) against the composition it
+replaces; the vision tower replayed as CUDA graphs (`VisionTower`) against the eager tower: the same
+kernels, so the same bits, for one image and for a call of several images of different sizes and frame counts;
 a replay's features stay the caller's after the next replay; the capture policy (the second sighting,
 at most ``max_graphs`` lists, none over ``max_patches``); and through the public Engine, image
-requests with the tower in graphs give the tokens of the same Engine with the tower eager.
+requests with the tower in graphs give the tokens of the same Engine with the tower eager, and image
+prompts whose chunks replay the prefill graphs (the splice in the graph's dense form) give the eager
+chunks' tokens (up to a near tie: a padded capacity's sums differ, as in test_prefill_graphs_cuda.py)
+and first-token log-probabilities.
 
 Imports neither Pillow nor transformers (the GPU image may lack them): images are `DecodedImage`s of
 random pixels."""
@@ -16,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from near_tie import assert_agree
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))  # the tiny random views
 
@@ -23,6 +29,7 @@ from qwen3_6_model_harness import tiny_view  # noqa: E402
 
 from ninfer import EngineConfig, GenerationRequest  # noqa: E402
 from ninfer.media.decode.image import DecodedImage  # noqa: E402
+from ninfer.ops.linear import fast_linear_gelu_tanh  # noqa: E402
 from ninfer.runtime.engine.engine import Engine  # noqa: E402
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources, SpecialTokens  # noqa: E402
 from ninfer.targets.qwen3_6.frontend.vision import FAMILY_DEFAULTS  # noqa: E402
@@ -51,6 +58,34 @@ def _cuda_view(dtype: torch.dtype):  # type: ignore[no-untyped-def]
     view = tiny_view("qwen3_6_tiny").to("cuda", dtype)
     assert view.vision is not None and view.variant.vision is not None
     return view
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(256, 1152, 4304), (33, 72, 50)])  # the 27B/35B tower's fc1, odd sizes
+def test_fused_fc1_gelu_is_the_tanh_gelu(shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * k**-0.5
+    bias = torch.randn(n, generator=gen) * 0.5
+    x, w, bias = x.to(CUDA), w.to(CUDA), bias.to(CUDA)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        linear = F.linear(x, w, bias)
+        want, exact = F.gelu(linear, approximate="tanh"), F.gelu(linear)
+        got = fast_linear_gelu_tanh(x, w, bias)
+        # fp32: the tanh form, told apart from the exact one
+        assert _rel(got, want) <= 1e-6 < 0.1 * _rel(exact, want), (_rel(got, want), _rel(exact, want))
+        xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()
+        fused = fast_linear_gelu_tanh(xb, wb, bb)
+        composed = F.gelu(F.linear(xb, wb, bb), approximate="tanh")  # the reference table in bf16
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert fused.dtype == torch.bfloat16 and fused.shape == (m, n)
+    assert _rel(fused, want) <= 1.05 * _rel(composed, want), (_rel(fused, want), _rel(composed, want))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,45 +140,72 @@ def _frontend() -> Frontend:
     return Frontend.from_resources(resources, SpecialTokens())
 
 
-def _image_requests() -> list[GenerationRequest]:
+def _image_requests(count: int = 4, size: tuple[int, int] = (70, 40)) -> list[GenerationRequest]:
+    """``count`` one-image chats, the images of one size: eager, capture, replay, replay."""
     rng = np.random.default_rng(7)
     requests = []
-    for i in range(4):  # four images of one size: eager, capture, replay, replay
-        image = DecodedImage(rng.integers(0, 256, size=(40, 70, 3), dtype=np.uint8))
-        parts = [{"type": "image", "image": image}, {"type": "text", "text": f"Q{i}"}]
-        messages = [{"role": "user", "content": parts}]
-        requests.append(GenerationRequest(messages=messages, max_tokens=8, temperature=0.0, ignore_eos=True))
+    for i in range(count):
+        image = DecodedImage(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+        parts = [{"type": "text", "text": f"Look {i}:"}, {"type": "image", "image": image},
+                 {"type": "text", "text": f"Q{i}, and a few words after the image"}]  # fmt: skip
+        requests.append(
+            GenerationRequest(
+                messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0.0, ignore_eos=True,
+                logprobs=True, top_logprobs=2,
+            )  # fmt: skip
+        )
     return requests
 
 
-def _tokens(graphs: bool) -> tuple[list[tuple[int, ...]], int]:
+def _engine_run(tower_graphs: bool, prefill_graph_tokens: int = 0, chunk: int | None = None):  # type: ignore[no-untyped-def]
     name = "qwen3_6_tiny"
     program = Qwen36Program(
         PACKAGES[name].variant,
         tiny_view(name).to("cuda", torch.float32),
         ProgramConfig(
             max_concurrency=1, max_context=256, page_size=16, kv_pages=32, device=CUDA, dtype=torch.float32,
-            cuda_graphs=True,
+            cuda_graphs=True, prefill_graph_tokens=prefill_graph_tokens,
         ),
     )  # fmt: skip
     assert program.vision_tower is not None
-    program.vision_tower.graphs = graphs
+    program.vision_tower.graphs = tower_graphs
     config = EngineConfig(
         max_concurrency=1, device="cuda", dtype="float32", max_context=256, page_size=16, warmup=False,
-        prefix_cache=False,
+        prefix_cache=False, prefill_chunk_tokens=chunk,
     )  # fmt: skip
     with Engine.from_parts(program, _frontend(), config, package_name=name) as engine:
-        tokens = [engine.generate(r).token_ids for r in _image_requests()]
-    return tokens, program.vision_tower.replays
+        results = [engine.generate(r) for r in _image_requests()]
+    return results, program
+
+
+def _fp32_matmuls():  # type: ignore[no-untyped-def]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return tf32
 
 
 def test_image_requests_with_the_tower_in_graphs_give_the_eager_tokens() -> None:
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = _fp32_matmuls()
     try:
-        graphed, replays = _tokens(graphs=True)
-        eager, none = _tokens(graphs=False)
+        graphed, program = _engine_run(tower_graphs=True)
+        eager, eager_program = _engine_run(tower_graphs=False)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert replays == 2 and none == 0
-    assert graphed == eager
+    assert program.vision_tower.replays == 2 and eager_program.vision_tower.replays == 0
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+
+
+@pytest.mark.parametrize("chunk", [None, 24])  # the whole prompt in one chunk; chunks that cut the image
+def test_image_prompts_in_prefill_graphs_give_the_eager_chunks_tokens(chunk: int | None) -> None:
+    tf32 = _fp32_matmuls()
+    try:
+        graphed, program = _engine_run(tower_graphs=True, prefill_graph_tokens=256, chunk=chunk)
+        eager, _ = _engine_run(tower_graphs=True, prefill_graph_tokens=0, chunk=chunk)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    graphs = program.executor.prefill_graphs
+    assert graphs is not None and graphs.spliced_replays >= len(graphed), "image chunks ran eagerly"
+    for got, want in zip(graphed, eager):
+        assert got.logprobs is not None and want.logprobs is not None
+        assert abs(got.logprobs[0].logprob - want.logprobs[0].logprob) <= 1e-3
+        assert_agree(got, want, "float32")

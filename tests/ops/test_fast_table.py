@@ -152,6 +152,17 @@ def test_gated_prefill_attention_matches_the_reference(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_gelu_tanh_off_cuda_is_the_reference(table: Kernels, reference: Kernels) -> None:
+    """Off CUDA the fused fc1 + GELU is the reference composition (torch's CPU `_addmm_activation` applies
+    the exact GELU, not the tanh one); on CUDA: tests/gpu/test_vision_graphs_cuda.py."""
+    gen = torch.Generator().manual_seed(13)
+    x, w = torch.randn(5, 24, generator=gen), torch.randn(40, 24, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    want = F.gelu(F.linear(x, w, bias), approximate="tanh")
+    assert torch.equal(reference.linear_gelu_tanh(x, w, bias), want)
+    assert torch.equal(table.linear_gelu_tanh(x, w, bias), want)
+
+
 def test_linear_add_rms_norm_equals_the_reference_composition(table: Kernels, reference: Kernels) -> None:
     """The projection (the GEMV for one row, F.linear for more) then the fused add + norm equals the
     reference composition (F.linear, then add_rms_norm)."""

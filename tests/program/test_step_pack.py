@@ -121,10 +121,18 @@ def test_fused_unpack_needs_cuda_tables_and_is_off_by_default() -> None:
     assert not StepBuilder(PAGE, torch.zeros(2, 4, dtype=torch.int32)).fused_unpack
 
 
+def _at_capacity(packed, values: list[int], capacity: int):  # type: ignore[no-untyped-def]
+    """The packed step a prefill graph's static input holds after `padded_values`."""
+    return dataclasses.replace(
+        packed, values=torch.tensor(values), num_tokens=capacity, query_start_host=(0, capacity), padded=True,
+        axes=3,
+    )  # fmt: skip
+
+
 def test_a_chunk_laid_out_at_a_capacity_keeps_its_facts_and_pads_after_them() -> None:
     """`padded_values` (a prefill graph's input): the chunk's fields unchanged and in order, then padding
     tokens that write no KV (slot -1); the row's bounds and context stay the chunk's, and the unpacked
-    step is `padded` with the capacity's token count."""
+    step is `padded` with the capacity's token count; a text chunk's H/W rotary axes are its positions."""
     pages = [5, 2, 9, 4]
     builder = StepBuilder(PAGE, torch.zeros(3, 40, dtype=torch.int32))
     seq = _seq(11, pages, 1)
@@ -132,12 +140,12 @@ def test_a_chunk_laid_out_at_a_capacity_keeps_its_facts_and_pads_after_them() ->
     packed = builder.pack([seq], [chunk], state_out=[seq.spare])
     values = StepBuilder.padded_values(packed, 32)
     want = packed.fields()
-    capacity = dataclasses.replace(
-        packed, values=torch.tensor(values), num_tokens=32, query_start_host=(0, 32), padded=True
-    )
+    capacity = _at_capacity(packed, values, 32)
     got = capacity.fields()
     assert got.token_ids.tolist() == chunk + [0] * 19
     assert got.positions.tolist() == list(range(11, 43))
+    assert capacity.positions_hw is not None
+    assert capacity.positions_hw.tolist() == [list(range(11, 43))] * 2
     assert got.slot_mapping.tolist() == want.slot_mapping.tolist() + [-1] * 19
     assert got.query_start.tolist() == [0, 13]
     assert got.context_lens.tolist() == [24]
@@ -146,17 +154,36 @@ def test_a_chunk_laid_out_at_a_capacity_keeps_its_facts_and_pads_after_them() ->
     batch = builder.unpack(capacity)
     assert batch.padded and batch.num_tokens == 32 and batch.query_bounds() == [0, 32]
     assert batch.query_start.tolist() == [0, 13]
+    assert batch.positions.tolist() == [list(range(11, 43))] * 3
     with pytest.raises(ValueError, match="at most 8 tokens"):
         StepBuilder.padded_values(packed, 8)
     two = builder.pack([seq, _seq(0, pages, 2)], [chunk, chunk], state_out=[1, 2])
-    with pytest.raises(ValueError, match="one text row"):
+    with pytest.raises(ValueError, match="one row"):
         StepBuilder.padded_values(two, 32)
+
+
+def test_a_chunk_of_a_prompt_with_images_keeps_its_rotary_axes_at_a_capacity() -> None:
+    """A chunk of a prompt with images (three M-RoPE axes of its own) laid out at a capacity: the T, H
+    and W positions are the prompt's, each continued by the padding."""
+    prompt_positions = [list(range(20)), [0] * 5 + [5, 5, 6, 6] + list(range(7, 18)), list(range(3, 23))]
+    seq = SimpleNamespace(**{**vars(_seq(4, [1, 3, 0], 0)), "prompt": tuple(range(20)),
+                             "prompt_positions": prompt_positions})  # fmt: skip
+    seq.rope_positions = lambda a, b: tuple(axis[a:b] for axis in prompt_positions)
+    builder = StepBuilder(PAGE, torch.zeros(1, 3, dtype=torch.int32))
+    packed = builder.pack([seq], [list(range(100, 110))], state_out=[seq.spare])
+    assert packed.axes == 3
+    capacity = _at_capacity(packed, StepBuilder.padded_values(packed, 16), 16)
+    batch = builder.unpack(capacity)
+    want = [axis[4:14] + list(range(axis[13] + 1, axis[13] + 7)) for axis in prompt_positions]
+    assert batch.positions.tolist() == want
+    assert capacity.fields().slot_mapping.tolist()[10:] == [-1] * 6
 
 
 def test_the_capture_placeholder_is_a_fresh_row_on_page_zero() -> None:
     packed = StepBuilder.placeholder_chunk(16, PAGE, 3, torch.device("cpu"))
     f = packed.fields()
     assert packed.padded and packed.num_tokens == 16 and packed.query_start_host == (0, 16)
+    assert packed.axes == 3 and packed.values.shape[0] == packed.base_length + 2 * 16
     assert f.slot_mapping.tolist() == [i % PAGE for i in range(16)]
     assert f.query_start.tolist() == [0, 16] and f.context_lens.tolist() == [16]
     assert f.state_in.tolist() == f.state_out.tolist() == [3] and f.fresh.tolist() == [1]

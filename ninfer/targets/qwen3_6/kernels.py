@@ -99,6 +99,8 @@ class Kernels:
     # the vision tower's (qkv [n, 3, heads, D], cos, sin [n, D]) -> q, k, v contiguous [heads, n, D], q and
     # k rotated in fp32 (`ninfer.ops.rope.vision_qkv_rotary`)
     vision_qkv_rotary: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+    # the vision blocks' (x [M, K], fc1 [N, K], bias [N]) -> gelu(x @ fc1.T + bias, approximate="tanh")
+    linear_gelu_tanh: Callable[[Tensor, Tensor, Tensor], Tensor]
     # (x [M, K], w [N, K]) -> x @ w.T: every dense projection
     linear: Callable[[Tensor, Tensor], Tensor]
     # (act [M, K], w [N, K], residual [M, N], weight, eps) -> add_rms_norm(act @ w.T, residual, weight, eps):
@@ -221,6 +223,7 @@ REFERENCE = Kernels(
     linear_add_rms_norm=linear.linear_add_rms_norm,
     mrope_cos_sin=mrope_cos_sin,
     vision_qkv_rotary=vision_qkv_rotary,
+    linear_gelu_tanh=linear.linear_gelu_tanh,
     logits=linear.logits,
     argmax=argmax_rows,
 )
@@ -259,6 +262,7 @@ def fast_kernels() -> Kernels:
         linear_add_rms_norm=linear.fast_linear_add_rms_norm,
         mrope_cos_sin=triton_mrope_cos_sin,
         vision_qkv_rotary=triton_vision_qkv_rotary,
+        linear_gelu_tanh=linear.fast_linear_gelu_tanh,
         logits=linear.fast_logits,
         argmax=triton_argmax_rows,
     )

@@ -183,6 +183,9 @@ class StepBatch:
                                   N == B, else None)
     splice_index  [M] long | None token positions whose input embedding comes from ``splice_embeds``
     splice_embeds [M, H] | None   instead of the token embedding (image features at their pad tokens)
+    splice_mask   [N] bool | None the dense form, in place of splice_index (a prefill graph's static
+                                  buffers): with splice_embeds [N, H], a token whose mask is set takes
+                                  its row of splice_embeds
     inputs_embeds [N, H] | None   replaces every token embedding (tests, the demo trainer)
     taps          layer indices whose output (the residual stream after the layer) the forward returns
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
@@ -212,6 +215,7 @@ class StepBatch:
     tokens_per_row: int | None = None
     splice_index: Tensor | None = None
     splice_embeds: Tensor | None = None
+    splice_mask: Tensor | None = None
     inputs_embeds: Tensor | None = None
     taps: tuple[int, ...] = field(default=())
     query_start_host: tuple[int, ...] | None = None  # query_start on the host, when the builder knows it
@@ -225,8 +229,10 @@ class StepBatch:
             object.__setattr__(self, "tokens_per_row", 1)
         elif self.tokens_per_row is not None and tokens != rows * self.tokens_per_row:
             raise ValueError(f"{tokens} tokens are not {rows} rows of {self.tokens_per_row}")
-        if (self.splice_index is None) != (self.splice_embeds is None):
-            raise ValueError("splice_index and splice_embeds come together")
+        if (self.splice_index is None and self.splice_mask is None) != (self.splice_embeds is None):
+            raise ValueError("splice_embeds comes with one of splice_index and splice_mask")
+        if self.splice_index is not None and self.splice_mask is not None:
+            raise ValueError("splice_index and splice_mask are two forms of one splice: give one")
 
     def query_bounds(self) -> list[int]:
         """query_start as host ints (a device sync only when the builder did not supply them)."""
@@ -306,6 +312,9 @@ def forward(
     if batch.splice_index is not None:
         assert batch.splice_embeds is not None
         x = x.index_copy(0, batch.splice_index, batch.splice_embeds.to(x.dtype))
+    elif batch.splice_mask is not None:
+        assert batch.splice_embeds is not None
+        x = torch.where(batch.splice_mask[:, None], batch.splice_embeds.to(x.dtype), x)
     cos, sin = kernels.mrope_cos_sin(
         batch.positions, variant.rotary_dim, variant.rope_theta, variant.mrope_section
     )

@@ -18,7 +18,8 @@ Attention over images of different sizes runs as one ``scaled_dot_product_attent
 frame length (frames of equal length are stacked into a batch), so there is no Python loop over patches
 or frames and no [N, N] mask; on CUDA SDPA picks its flash / memory-efficient kernels. The rotary and the
 q/k/v relayout SDPA reads are the op table's ``vision_qkv_rotary`` (on the fast table one Triton launch a
-block, `ninfer.ops.triton.vision_rope`, the same fp32 arithmetic).
+block, `ninfer.ops.triton.vision_rope`, the same fp32 arithmetic), and so is the blocks' fc1 with its
+tanh GELU, ``linear_gelu_tanh`` (on the fast table one cuBLASLt GEMM with the activation in its epilogue).
 
 `image_pad_rows` gives the prompt rows the output goes to (``PreparedImage.token_offset`` and
 ``num_tokens``).
@@ -98,7 +99,10 @@ def vision_embeddings(
         h = F.layer_norm(x, (x.shape[-1],), block.norm1_weight, block.norm1_bias, _LN_EPS)
         x = x + _attention(h, block, dims, cos, sin, frames, kernels)
         h = F.layer_norm(x, (x.shape[-1],), block.norm2_weight, block.norm2_bias, _LN_EPS)
-        h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate=approximate)
+        if approximate == "tanh":
+            h = kernels.linear_gelu_tanh(h, block.fc1_weight, block.fc1_bias)
+        else:
+            h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate=approximate)
         x = x + F.linear(h, block.fc2_weight, block.fc2_bias)
     merger = view.merger
     h = F.layer_norm(x, (x.shape[-1],), merger.norm_weight, merger.norm_bias, _LN_EPS)

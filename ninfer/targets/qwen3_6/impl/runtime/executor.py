@@ -7,9 +7,9 @@ Two kinds of step, one forward (`model.forward`):
   way it returns the logits of every token, and a graph also their argmax.
 - **ragged**: rows of any lengths (prefill chunks, forced control), with the logits the caller asks for
   (each row's last token, every token, or none), an optional embedding splice (image features at their
-  pad positions) and hidden-state taps. A one-row text chunk that a captured capacity holds, wanting its
-  last token's logits or none, replays that capacity's prefill graphs (`prefill_graphs.PrefillGraphs`);
-  the rest run eagerly.
+  pad positions) and hidden-state taps. A one-row chunk that a captured capacity holds (text, or a
+  prompt's with images and their splice), wanting its last token's logits or none, replays that
+  capacity's prefill graphs (`prefill_graphs.PrefillGraphs`); the rest run eagerly.
 
 Which slots a row reads and writes, and at which positions, is the caller's choice (the Program and its
 decode backend); the executor only lays the step out (`StepBuilder`) and runs it.
@@ -73,7 +73,8 @@ class StepExecutor:
         if capacities:
             self.prefill_graphs = PrefillGraphs(
                 self._chunk_step, self._chunk_logits, kernels, capacities, page_size=steps.page_size,
-                scratch_slot=scratch_slot, device=store.k_pages.device,
+                scratch_slot=scratch_slot, device=store.k_pages.device, hidden_size=variant.hidden_size,
+                dtype=view.text.embed.dtype,
             )  # fmt: skip
 
     def uniform(
@@ -116,8 +117,8 @@ class StepExecutor:
         whose input embedding replaces the token's (image features at their pads)."""
         packed = self.steps.pack(seqs, inputs, state_out=state_out)
         graphs = self.prefill_graphs
-        if graphs is not None and splice is None and logits != "all" and _graph_chunk(packed, graphs):
-            hidden, last = graphs.run(packed, logits == "last")
+        if graphs is not None and logits != "all" and _graph_chunk(packed, graphs):
+            hidden, last = graphs.run(packed, logits == "last", splice)
             return StepRun(last, self.steps.to_device(packed), None, hidden)
         step = self.steps.to_device(packed)
         out = self._forward(step, None, logits, splice)
@@ -143,11 +144,16 @@ class StepExecutor:
         return out.logits, out.hidden
 
     def _chunk_step(
-        self, step: PackedStep, kernels: Kernels, memo: dict[str, object]
+        self,
+        step: PackedStep,
+        kernels: Kernels,
+        memo: dict[str, object],
+        splice: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[StepBatch, torch.Tensor]:
-        """The work a prefill graph captures: the padded chunk unpacked, then the forward to the hidden
-        states, under ``kernels`` and starting from ``memo``."""
-        batch = self.steps.unpack(step)
+        """The work a prefill graph captures: the padded chunk unpacked, its dense splice (mask, embeddings)
+        applied, then the forward to the hidden states, under ``kernels`` and starting from ``memo``."""
+        mask, embeds = splice
+        batch = dataclasses.replace(self.steps.unpack(step), splice_mask=mask, splice_embeds=embeds)
         batch.memo.update(memo)
         out = forward(self.view, self.variant, batch, self.store, logits="none", kernels=kernels)
         return batch, out.hidden
@@ -159,10 +165,9 @@ class StepExecutor:
 
 
 def _graph_chunk(packed: PackedStep, graphs: PrefillGraphs) -> bool:
-    """A one-row text chunk of two or more tokens that a captured capacity holds."""
+    """A one-row chunk of two or more tokens that a captured capacity holds."""
     return (
         packed.num_rows == 1
-        and packed.axes == 1
         and packed.tokens_per_row is None
         and graphs.capacity_for(packed.num_tokens) is not None
     )

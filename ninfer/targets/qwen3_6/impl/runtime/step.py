@@ -239,7 +239,9 @@ class StepBuilder:
     ) -> PackedStep:
         """A one-row prefill chunk of ``capacity`` tokens for graph capture (`padded`, none of them padding
         here): a fresh row that writes ``scratch_slot`` and the slots of KV page 0 (which no committed
-        state depends on at capture), reading only page 0 (sequence index 0's table row, all zeros)."""
+        state depends on at capture), reading only page 0 (sequence index 0's table row, all zeros). It
+        carries the H/W rotary tail (``axes`` 3), so one graph serves text chunks and chunks of prompts
+        with images."""
         t = capacity
         values = _layout(
             [0] * t,
@@ -252,23 +254,30 @@ class StepBuilder:
             fresh=[1],
             sequence_index=[0],
         )
-        packed = dataclasses.replace(_packed(values, t, (0, t), (t,), None), padded=True)
+        values += list(range(t)) * 2
+        packed = dataclasses.replace(_packed(values, t, (0, t), (t,), None, axes=3), padded=True)
         return dataclasses.replace(packed, values=packed.values.to(device))
 
     @staticmethod
     def padded_values(packed: PackedStep, capacity: int) -> list[int]:
-        """A one-row text prefill chunk's packed values (`pack`) laid out at ``capacity`` tokens: its n
-        tokens, then padding (token 0 at the positions that follow, KV slot -1: never cached); the row
-        bounds stay [0, n]."""
+        """A one-row prefill chunk's packed values (`pack`) laid out at ``capacity`` tokens, as
+        `placeholder_chunk` lays them: its n tokens, then padding (token 0 at the positions that follow,
+        KV slot -1: never cached); the row bounds stay [0, n]; the H/W rotary tail is the chunk's own (a
+        prompt with images) or its base positions (text), padded the same way."""
         n = packed.num_tokens
-        if packed.num_rows != 1 or packed.axes != 1 or packed.tokens_per_row is not None or n > capacity:
-            raise ValueError(f"a prefill graph takes one text row of at most {capacity} tokens")
+        if packed.num_rows != 1 or packed.tokens_per_row is not None or n > capacity:
+            raise ValueError(f"a prefill graph takes one row of at most {capacity} tokens")
         f = [t.tolist() for t in packed.fields()]
+        hw = packed.positions_hw
+        h, w = (f[1], f[1]) if hw is None else hw.tolist()
         pad = capacity - n
-        last = f[1][-1]
-        return _layout(
+
+        def padded(axis: list[int]) -> list[int]:
+            return axis + list(range(axis[-1] + 1, axis[-1] + 1 + pad))
+
+        values = _layout(
             f[0] + [0] * pad,
-            f[1] + list(range(last + 1, last + 1 + pad)),
+            padded(f[1]),
             f[2] + [-1] * pad,
             f[3],
             context_lens=f[4],
@@ -277,6 +286,7 @@ class StepBuilder:
             fresh=f[7],
             sequence_index=f[8],
         )
+        return values + padded(h) + padded(w)
 
     def uniform_step(self, values: list[int], num_rows: int, tokens_per_row: int) -> PackedStep:
         """The host `PackedStep` over `uniform_values`' list."""
