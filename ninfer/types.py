@@ -168,6 +168,9 @@ class EngineConfig:
       the whole vocabulary.
     - ``max_image_tokens``: image pad tokens one request may carry (a 1024 x 1024 image is 1,024); the
       vision tower's working memory is reserved for this many at start, a larger request is rejected.
+    - ``vision_graph_sizes``: with ``cuda_graphs``, image sizes (width, height in pixels, as sent) whose
+      vision tower the Program captures as a CUDA graph at start (one per size, keyed by the grid the
+      Frontend resizes it to; an image of another size runs eagerly). Each must fit ``max_image_tokens``.
     - ``score_window``/``score_stride``: causal scoring windows (see ``Engine.score``).
     - ``prefix_cache``: the context cache (docs/resources-and-context-cache.md): a request whose prompt
       starts with a prefix the Engine has run before continues the checkpoint at that prefix instead of
@@ -213,6 +216,7 @@ class EngineConfig:
     speculative: str | None = None
     draft_vocab: int | None = None
     max_image_tokens: int = 16384
+    vision_graph_sizes: tuple[tuple[int, int], ...] = ()
     prefix_cache: bool = True
     cache_memory_gb: float | None = None
     host_cache_gb: float = 0.0
@@ -239,6 +243,9 @@ class EngineConfig:
                 raise ValueError(f"draft_vocab needs speculative 'mtp:K', got {self.speculative!r}")
         if self.max_image_tokens < 0:
             raise ValueError(f"max_image_tokens must be >= 0, got {self.max_image_tokens}")
+        for size in self.vision_graph_sizes:
+            if len(size) != 2 or min(size) < 1:
+                raise ValueError(f"vision_graph_sizes holds (width, height) pixel sizes >= 1, got {size!r}")
         if self.purpose not in ("generation", "causal_scoring"):
             raise ValueError(f"purpose must be 'generation' or 'causal_scoring', got {self.purpose!r}")
         if not 1 <= self.max_concurrency <= MAX_CONCURRENCY_LIMIT:

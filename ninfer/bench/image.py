@@ -4,11 +4,12 @@ For each size, a random RGB image of that size (a `DecodedImage`, as the gateway
 Frontend) in a one-message chat, prepared by the Engine's Frontend (resize to the processor's grid,
 normalise, patchify). Three figures:
 
-- **tower**: the Program's own tower (`Program.vision_tower`, the call it makes before the prefill chunk
-  that first needs the image, `impl/runtime/images.py`) over that image's ``pixel_values`` (already on
-  the device), timed alone, warm (with CUDA graphs: a replay of the graph captured for the size), median
-  of the repeats; CUDA events, each call synchronised; beside it the eager tower
-  (`ninfer.targets.qwen3_6.vision.vision_embeddings`, the same weights and op table), timed the same way;
+- **tower**: the tower as the Program runs it (`impl/runtime/vision_graphs.VisionTower` over the
+  Program's vision weights and op table; with CUDA graphs the bench's own, capturing that image's grid,
+  since only the Engine's worker may call the Program) over that image's ``pixel_values`` (already on the
+  device), timed alone, warm, median of the repeats; CUDA events, each call synchronised; beside it the
+  eager tower (`ninfer.targets.qwen3_6.vision.vision_embeddings`), timed the same way. The Engine captures
+  the sizes given (`EngineConfig.vision_graph_sizes`), so the image prompts below replay their graph;
 - **TTFT** of the one-image chat request through the public Engine (submit -> first token: the
   Frontend's preprocessing on the caller, the tower, the prefill), and beside it the TTFT of a token-id
   prompt of the same token count (no image): their difference is what the image costs in place;
@@ -175,14 +176,15 @@ def render_image(report: ImageReport) -> str:
 ASSUMPTIONS = (
     VISION_ASSUMPTION,
     "tower floor = tower FLOPs / the measured matmul throughput (bf16 on CUDA); % floor = floor / measured",
-    "tower ms: the Program's vision_tower called directly with the image's pixel_values already on the "
-    "device (the Program's own call adds their host-to-device copy), warm-up 2 (with CUDA graphs the "
-    "first call of a size runs eagerly, the second captures its graph, the timed calls replay it); "
-    "eager ms: vision_embeddings with the same weights and op table, warm-up 1; CUDA events with each "
-    "call synchronised",
+    "tower ms: a VisionTower over the Program's vision weights and op table (with CUDA graphs the "
+    "bench's own, that size's grid captured at its construction, as the Program captures its "
+    "vision_graph_sizes), called with the image's pixel_values already on the device (the Program's own "
+    "call adds their host-to-device copy), warm-up 1; eager ms: vision_embeddings, warm-up 1; CUDA events "
+    "with each call synchronised",
     "TTFT img: a one-image chat request (a fresh random image each repeat, so the context cache could not "
-    "serve it), submit -> first token: preprocessing on the caller (submit), the tower, the prefill; TTFT "
-    "txt: a token-id prompt of the same token count; img-txt: what the image costs in place",
+    "serve it; the Engine captured the sizes' towers at start, vision_graph_sizes), submit -> first "
+    "token: preprocessing on the caller (submit), the tower, the prefill; TTFT txt: a token-id prompt of "
+    "the same token count; img-txt: what the image costs in place",
     "TTFT floor = (prefill FLOPs of the prompt's tokens + the tower's FLOPs) / the matmul throughput",
 )
 
@@ -225,6 +227,7 @@ def run_image(
         queue_capacity=1,
         max_context=longest + REPLY_TOKENS,
         max_image_tokens=max(p.images[0].num_tokens for p in sizing),
+        vision_graph_sizes=plan.sizes,
     )
     probe, started = probe_and_start(options, config, log)
     header = run_header(started, probe)
@@ -236,11 +239,11 @@ def run_image(
     try:
         engine = started.engine
         driver = TimedDriver(engine, decode, prompts)
+        from ninfer.targets.qwen3_6.impl.runtime.vision_graphs import VisionTower
         from ninfer.targets.qwen3_6.vision import vision_embeddings
 
         kernels = started.program.kernels  # the Program's own table
-        program_tower = started.program.vision_tower
-        assert program_tower is not None
+        graphs = options.cuda_graphs and device.type == "cuda"
         for i, (width, height) in enumerate(plan.sizes):
             prompt = _prepared(engine.frontend, width, height, options.seed)
             image = prompt.images[0]
@@ -248,17 +251,23 @@ def run_image(
             pixels = torch.from_numpy(np.array(image.pixel_values)).to(device)
             log(f"{width}x{height}: grid {grid}, {image.num_tokens} image tokens; tower x {plan.repeats}")
 
-            def tower(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
+            grids = [grid] if graphs else []
+            with torch.inference_mode():
+                bench_tower = VisionTower(view.vision, variant.vision, kernels, graph_grids=grids)  # type: ignore[arg-type]
+
+            def tower(
+                pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid, run: VisionTower = bench_tower
+            ) -> torch.Tensor:
                 with torch.inference_mode():
-                    return program_tower(pixels, [grid])  # type: ignore[list-item]
+                    return run(pixels, [grid])  # type: ignore[list-item]
 
             def eager(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
                 with torch.inference_mode():
                     return vision_embeddings(view.vision, variant.vision, pixels, [grid], kernels)
 
-            tower_s = timed_seconds(tower, device, plan.repeats, warmup=2)
+            tower_s = timed_seconds(tower, device, plan.repeats, warmup=1)
             eager_s = timed_seconds(eager, device, plan.repeats, warmup=1)
-            del pixels
+            del pixels, bench_tower
             log(
                 f"{width}x{height}: TTFT of the image prompt and of a text prompt of "
                 f"{len(prompt.token_ids)} tokens"

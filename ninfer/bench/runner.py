@@ -51,6 +51,7 @@ class BenchOptions:
     dtype: str = "auto"
     cuda_graphs: bool = True
     prefill_graph_tokens: int = 1024  # EngineConfig.prefill_graph_tokens
+    vision_graph_sizes: tuple[tuple[int, int], ...] = ()  # EngineConfig.vision_graph_sizes
     decode_lookahead: bool | None = None  # EngineConfig.decode_lookahead
     kernels: str = "auto"  # EngineConfig.kernels
     speculative: str | None = None  # EngineConfig.speculative
@@ -103,6 +104,7 @@ def engine_config(options: BenchOptions, long_plan: LongContextPlan | None = Non
         prefill_chunk_tokens=plan.prefill_chunk,
         cuda_graphs=options.cuda_graphs,
         prefill_graph_tokens=options.prefill_graph_tokens,
+        vision_graph_sizes=options.vision_graph_sizes,
         decode_lookahead=options.decode_lookahead,
         kernels=options.kernels,  # type: ignore[arg-type]
         speculative=options.speculative,

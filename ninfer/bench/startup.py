@@ -112,7 +112,7 @@ def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> St
     t1 = time.perf_counter()
     frontend = synthetic_frontend(package)
     t2 = time.perf_counter()
-    program = build_program(package, view, config, config.max_context, device, dtype)
+    program = build_program(package, view, config, config.max_context, device, dtype, frontend=frontend)
     _sync(device)
     t3 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=package.name)
@@ -133,7 +133,9 @@ def restart(started: StartedEngine, config: EngineConfig) -> StartedEngine:
     if started.device.type == "cuda":
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    program = build_program(started.package, view, config, config.max_context, started.device, started.dtype)
+    program = build_program(
+        started.package, view, config, config.max_context, started.device, started.dtype, frontend=frontend
+    )
     _sync(started.device)
     t1 = time.perf_counter()
     engine = Engine.from_parts(program, frontend, config, package_name=started.package.name)

@@ -26,8 +26,8 @@ WORKLOAD_FLAGS = {
 CLIENT_FLAGS = WORKLOAD_FLAGS | {"api_key"}
 ENGINE_FLAGS = WORKLOAD_FLAGS | {
     "artifact", "synthetic", "device", "dtype", "no_cuda_graphs", "prefill_graph_tokens",
-    "no_decode_lookahead", "kernels", "gpu_memory_fraction", "prefill_chunk", "speculative", "draft_vocab",
-    "prefix_cache", "cache_memory_gb",
+    "vision_graph_sizes", "no_decode_lookahead", "kernels", "gpu_memory_fraction", "prefill_chunk",
+    "speculative", "draft_vocab", "prefix_cache", "cache_memory_gb",
 }  # fmt: skip
 NOT_FLAGS = {"func", "command", "debug"}
 

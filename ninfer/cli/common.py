@@ -43,6 +43,29 @@ def add_graph_flags(p: argparse.ArgumentParser) -> None:
         help="one-row prefill chunks of up to N tokens replay CUDA graphs (EngineConfig.prefill_graph_tokens;"
         " 0: eager)",
     )
+    add_vision_graph_flag(p)
+
+
+def add_vision_graph_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--vision-graph-sizes",
+        type=pixel_sizes,
+        default=(),
+        metavar="WxH[,WxH...]",
+        help="image sizes (as sent) whose vision tower is captured as a CUDA graph at start; images of "
+        "other sizes run it eagerly (EngineConfig.vision_graph_sizes; default none)",
+    )
+
+
+def pixel_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"448x448,1024x768"`` -> ((448, 448), (1024, 768)): width x height in pixels, each >= 1."""
+    sizes = []
+    for part in text.split(","):
+        w, sep, h = part.strip().lower().partition("x")
+        if not sep or not w.isdigit() or not h.isdigit() or int(w) < 1 or int(h) < 1:
+            raise argparse.ArgumentTypeError(f"expected WxH sizes such as 448x448, got {part!r}")
+        sizes.append((int(w), int(h)))
+    return tuple(sizes)
 
 
 def add_memory_flag(p: argparse.ArgumentParser) -> None:
@@ -108,6 +131,7 @@ def bench_options(args: argparse.Namespace, plan: Any, artifact: str | None, *, 
         dtype=args.dtype,
         cuda_graphs=not args.no_cuda_graphs,
         prefill_graph_tokens=args.prefill_graph_tokens,
+        vision_graph_sizes=args.vision_graph_sizes,
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         # `ninfer bench --speculative` is a list (a sweep over backends); the options carry the first
@@ -286,6 +310,7 @@ def interactive_engine_config(args: argparse.Namespace) -> Any:
         max_context=args.max_context,
         cuda_graphs=not args.no_cuda_graphs,
         prefill_graph_tokens=args.prefill_graph_tokens,
+        vision_graph_sizes=args.vision_graph_sizes,
         decode_lookahead=decode_lookahead(args),
         kernels=args.kernels,
         warmup=False,

@@ -290,6 +290,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "dtype": args.dtype,
         "cuda_graphs": not args.no_cuda_graphs,
         "prefill_graph_tokens": args.prefill_graph_tokens,
+        "vision_graph_sizes": args.vision_graph_sizes,
         "decode_lookahead": decode_lookahead(args),
         "kernels": args.kernels,
     }

@@ -99,10 +99,13 @@ def open_target(artifact_path: str, config: EngineConfig) -> OpenedTarget:
 
 def build_program(
     package: Package, view: Any, config: EngineConfig, max_context: int | None, device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, *, frontend: Any = None,
 ) -> Program:  # fmt: skip
     """The generation Program of ``package`` over a bound model ``view`` (synthetic weights);
-    ``max_context`` None takes the family's default (sized from the device memory on CUDA)."""
+    ``max_context`` None takes the family's default (sized from the device memory on CUDA); ``frontend``:
+    the Engine's (its image preprocessing sizes the vision graphs)."""
     from ninfer.targets.registry import family_module
 
-    return family_module(package).build_program(package.variant, view, config, max_context, device, dtype)
+    return family_module(package).build_program(
+        package.variant, view, config, max_context, device, dtype, frontend=frontend
+    )

@@ -1,12 +1,12 @@
 """The fast table's fused fc1 + tanh GELU (`linear.fast_linear_gelu_tanh`) against the composition it
-replaces; the vision tower replayed as CUDA graphs (`VisionTower`) against the eager tower: the same
-kernels, so the same bits, for one image and for a call of several images of different sizes and frame counts;
-a replay's features stay the caller's after the next replay; the capture policy (the second sighting,
-at most ``max_graphs`` lists, none over ``max_patches``); and through the public Engine, image
-requests with the tower in graphs give the tokens of the same Engine with the tower eager, and image
-prompts whose chunks replay the prefill graphs (the splice in the graph's dense form) give the eager
-chunks' tokens (up to a near tie: a padded capacity's sums differ, as in test_prefill_graphs_cuda.py)
-and first-token log-probabilities.
+replaces; the vision tower with graphs captured at construction (`VisionTower`) against the eager tower,
+image by image: a graphed image runs the eager kernels of that image alone, so the same bits, and a call
+mixing graphed images with one without a graph equals the eager tower image by image; a replay's features
+stay the caller's after the next replay; through the public Engine, image requests whose size was
+configured (`vision_graph_sizes`) give the tokens of the same Engine without graphs, and image prompts
+whose chunks replay the prefill graphs (the splice in the graph's dense form) give the eager chunks'
+tokens (up to a near tie: a padded capacity's sums differ, as in test_prefill_graphs_cuda.py) and
+first-token log-probabilities.
 
 Imports neither Pillow nor transformers (the GPU image may lack them): images are `DecodedImage`s of
 random pixels."""
@@ -32,7 +32,7 @@ from ninfer.media.decode.image import DecodedImage  # noqa: E402
 from ninfer.ops.linear import fast_linear_gelu_tanh  # noqa: E402
 from ninfer.runtime.engine.engine import Engine  # noqa: E402
 from ninfer.targets.qwen3_6.frontend import Frontend, FrontendResources, SpecialTokens  # noqa: E402
-from ninfer.targets.qwen3_6.frontend.vision import FAMILY_DEFAULTS  # noqa: E402
+from ninfer.targets.qwen3_6.frontend.vision import FAMILY_DEFAULTS, image_grid  # noqa: E402
 from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program  # noqa: E402
 from ninfer.targets.qwen3_6.impl.runtime.vision_graphs import VisionTower  # noqa: E402
 from ninfer.targets.qwen3_6.kernels import select_kernels  # noqa: E402
@@ -90,45 +90,24 @@ def test_fused_fc1_gelu_is_the_tanh_gelu(shape: tuple[int, int, int]) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("table", ["fast", "reference"])
-def test_replays_equal_the_eager_tower(dtype: torch.dtype, table: str) -> None:
+def test_replays_equal_the_eager_tower_image_by_image(dtype: torch.dtype, table: str) -> None:
     view = _cuda_view(dtype)
     dims, kernels = view.variant.vision, select_kernels(CUDA, table)
-    tower = VisionTower(view.vision, dims, kernels, graphs=True, max_patches=1 << 20)
     with torch.inference_mode():
-        for grids in (ONE_IMAGE, MIXED):
-            kept = []
-            for call in range(4):  # eager, capture, replay, replay
-                pixels = _pixels(grids, seed=call)
-                got = tower(pixels, grids)
-                want = vision_embeddings(view.vision, dims, pixels, grids, kernels)
-                assert torch.equal(got, want), f"{grids} call {call}: {(got - want).abs().max().item():.3g}"
-                kept.append((got, want))
-            for call, (got, want) in enumerate(kept):  # later replays left earlier features alone
-                assert torch.equal(got, want), f"{grids} call {call} changed after later calls"
-    assert tower.captures == 2 and tower.replays == 4 and tower.graph_count == 2
-
-
-def test_capture_policy() -> None:
-    view = _cuda_view(torch.float32)
-    dims, kernels = view.variant.vision, select_kernels(CUDA, "fast")
-    small = ((1, 4, 4),)
-    tower = VisionTower(view.vision, dims, kernels, graphs=True, max_patches=100, max_graphs=1)
-    with torch.inference_mode():
-        for _ in range(3):
-            tower(_pixels(ONE_IMAGE, 0), ONE_IMAGE)  # 256 patches: over max_patches, always eager
-        assert tower.captures == 0 and tower.graph_count == 0
-        tower(_pixels(small, 0), small)
-        assert tower.captures == 0  # seen once: eager
-        tower(_pixels(small, 1), small)
-        assert tower.captures == 1 and tower.replays == 0
-        tower(_pixels(small, 2), small)
-        assert tower.replays == 1
-        other = ((1, 2, 6),)
-        for seed in range(2):
-            tower(_pixels(other, seed), other)  # captured, and the first list dropped (max_graphs=1)
-        assert tower.captures == 2 and tower.graph_count == 1
-        tower(_pixels(small, 3), small)
-        assert tower.replays == 1  # dropped: eager again, a first sighting
+        tower = VisionTower(view.vision, dims, kernels, graph_grids=ONE_IMAGE + MIXED)
+        assert set(tower.graph_grids) == set(ONE_IMAGE + MIXED)
+        kept = []
+        for call, grids in enumerate((ONE_IMAGE, MIXED, MIXED[:1] + ((1, 2, 6),) + MIXED[1:], ONE_IMAGE)):
+            pixels = _pixels(grids, seed=call)
+            got = tower(pixels, grids)
+            parts = pixels.split([t * h * w for t, h, w in grids])
+            alone = [vision_embeddings(view.vision, dims, p, [g], kernels) for p, g in zip(parts, grids)]
+            want = torch.cat(alone)
+            assert torch.equal(got, want), f"{grids}: {(got - want).abs().max().item():.3g}"
+            kept.append((got, want))
+        for call, (got, want) in enumerate(kept):  # later replays left earlier features alone
+            assert torch.equal(got, want), f"call {call} changed after later calls"
+    assert tower.replays == 1 + 3 + 3 + 1  # (1, 2, 6) has no graph: eager
 
 
 def _frontend() -> Frontend:
@@ -141,7 +120,7 @@ def _frontend() -> Frontend:
 
 
 def _image_requests(count: int = 4, size: tuple[int, int] = (70, 40)) -> list[GenerationRequest]:
-    """``count`` one-image chats, the images of one size: eager, capture, replay, replay."""
+    """``count`` one-image chats, the images of one size."""
     rng = np.random.default_rng(7)
     requests = []
     for i in range(count):
@@ -159,16 +138,17 @@ def _image_requests(count: int = 4, size: tuple[int, int] = (70, 40)) -> list[Ge
 
 def _engine_run(tower_graphs: bool, prefill_graph_tokens: int = 0, chunk: int | None = None):  # type: ignore[no-untyped-def]
     name = "qwen3_6_tiny"
+    grid = image_grid(70, 40, _frontend().image_config)  # the requests' image size
     program = Qwen36Program(
         PACKAGES[name].variant,
         tiny_view(name).to("cuda", torch.float32),
         ProgramConfig(
             max_concurrency=1, max_context=256, page_size=16, kv_pages=32, device=CUDA, dtype=torch.float32,
             cuda_graphs=True, prefill_graph_tokens=prefill_graph_tokens,
+            vision_graph_grids=(grid,) if tower_graphs else (),
         ),
     )  # fmt: skip
     assert program.vision_tower is not None
-    program.vision_tower.graphs = tower_graphs
     config = EngineConfig(
         max_concurrency=1, device="cuda", dtype="float32", max_context=256, page_size=16, warmup=False,
         prefix_cache=False, prefill_chunk_tokens=chunk,
@@ -191,7 +171,7 @@ def test_image_requests_with_the_tower_in_graphs_give_the_eager_tokens() -> None
         eager, eager_program = _engine_run(tower_graphs=False)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert program.vision_tower.replays == 2 and eager_program.vision_tower.replays == 0
+    assert program.vision_tower.replays == len(graphed) and eager_program.vision_tower.replays == 0
     assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
 
 

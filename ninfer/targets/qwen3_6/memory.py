@@ -26,6 +26,7 @@ offloaded from the device, a quarter state slots (at most one per page), the res
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +36,7 @@ from ninfer.targets.open import prefill_unit, resolve_kernels
 from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import capacities
 from ninfer.targets.qwen3_6.kernels import fla_available
 from ninfer.targets.qwen3_6.model import StateStore
-from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.variant import Variant, VisionDims
 from ninfer.types import EngineConfig
 
 GIB = 2**30
@@ -164,6 +165,23 @@ class MemoryPlan:
         )
 
 
+def vision_graph_bytes(
+    dims: VisionDims | None, grids: Sequence[tuple[int, int, int]], dtype: torch.dtype
+) -> int:
+    """What the vision tower's graphs (`impl/runtime/vision_graphs.py`) hold for good: their memory pool, one
+    working set of the largest grid (the eager tower's, `VISION_BYTES_PER_IMAGE_TOKEN` an image token),
+    and their static input and output of that grid, in the weights' dtype."""
+    if dims is None or not grids:
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    merge = dims.spatial_merge_size**2
+    largest = max(t * h * w for t, h, w in grids)  # patches
+    width = dims.in_channels * dims.temporal_patch_size * dims.patch_size**2
+    tokens = largest // merge
+    statics = largest * width * size + tokens * dims.out_hidden_size * size
+    return tokens * VISION_BYTES_PER_IMAGE_TOKEN + statics
+
+
 def working_space(config: EngineConfig, device: torch.device, max_image_tokens: int) -> int:
     """Bytes to leave free beside the state whatever the context: activations (they grow with the prefill
     unit), sampling and graph pools, 2 GiB per 2048-token unit, as much again per 2048 tokens of the
@@ -238,11 +256,13 @@ def plan_memory(
     max_context: int | None = None,
     free_bytes: int = 0,
     total_bytes: int = 0,
+    vision_graph_grids: Sequence[tuple[int, int, int]] = (),
 ) -> MemoryPlan:
     """The memory plan of a generation Program (module docstring). ``max_context`` overrides
     ``config.max_context`` (None: the default); ``free_bytes`` / ``total_bytes`` are the device's free and
-    total memory measured after the weights were placed (CUDA only). Raises ``ValueError`` with the
-    numbers and the flags to change when the state cannot fit."""
+    total memory measured after the weights were placed (CUDA only); ``vision_graph_grids``: the image
+    grids whose vision tower the Program captures (their pool and buffers are working space). Raises
+    ``ValueError`` with the numbers and the flags to change when the state cannot fit."""
     given = max_context if max_context is not None else config.max_context
     positions = variant.max_position_embeddings
     if given is not None and given > positions:
@@ -253,7 +273,9 @@ def plan_memory(
     n = config.max_concurrency
     lane_slots = backend.slots_per_sequence * n
     image_tokens = config.max_image_tokens if variant.vision is not None else 0
-    working = working_space(config, device, image_tokens)
+    working = working_space(config, device, image_tokens) + vision_graph_bytes(
+        variant.vision, vision_graph_grids, dtype
+    )
     host_slots, host_pages = host_tier(config, slot_bytes, page_bytes)
     common = dict(
         page_size=page, page_bytes=page_bytes, lane_slots=lane_slots, slot_bytes=slot_bytes,

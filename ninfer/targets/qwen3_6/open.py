@@ -93,7 +93,7 @@ def open_artifact(
             kernels=config.kernels,
         )
         return OpenedTarget(program, frontend, package.name, loaded.report)
-    program = build_program(variant, view, config, config.max_context, device, dtype)
+    program = build_program(variant, view, config, config.max_context, device, dtype, frontend=frontend)
     return OpenedTarget(program, frontend, package.name, loaded.report)
 
 
@@ -112,19 +112,21 @@ def physical_memory() -> int:
 
 def build_program(
     variant: Variant, view: ModelView, config: EngineConfig, max_context: int | None, device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, *, frontend: Frontend | None = None,
 ) -> Program:  # fmt: skip
     """The generation Program for an EngineConfig, its pools sized by `plan_memory` (``max_context``:
     None takes the plan's default) from the memory free after the weights (CUDA); refused, with the
-    numbers and the flags to change, when the state cannot fit."""
+    numbers and the flags to change, when the state cannot fit. ``frontend``: the Engine's, whose image
+    preprocessing turns ``config.vision_graph_sizes`` into the grids the Program captures."""
     from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program
 
     lookahead = resolve_lookahead(config.decode_lookahead, device)
     backend = decode_backend(config, lookahead, variant)
+    grids = vision_graph_grids(config, variant, frontend, device)
     free, total = device_memory(device)
     plan = plan_memory(
         variant, config, backend, device=device, dtype=dtype, max_context=max_context, free_bytes=free,
-        total_bytes=total,
+        total_bytes=total, vision_graph_grids=grids,
     )  # fmt: skip
     host_memory = physical_memory()
     if plan.host_bytes and host_memory and plan.host_bytes > HOST_TIER_SHARE * host_memory:
@@ -150,6 +152,7 @@ def build_program(
         kernels=config.kernels,
         decode_lookahead=lookahead,
         max_image_tokens=config.max_image_tokens if variant.vision is not None else 0,
+        vision_graph_grids=grids,
         memory=plan,
     )
     program = Qwen36Program(variant, view, program_config, backend=backend)
@@ -161,6 +164,20 @@ def build_program(
             after / 2**30, plan.working_bytes / 2**30,
         )  # fmt: skip
     return program
+
+
+def vision_graph_grids(
+    config: EngineConfig, variant: Variant, frontend: Frontend | None, device: torch.device
+) -> tuple[tuple[int, int, int], ...]:
+    """The grids of ``config.vision_graph_sizes`` as the Frontend resizes those images (none without CUDA
+    graphs or a vision tower); refused without a Frontend to say them."""
+    if not (config.vision_graph_sizes and config.cuda_graphs and device.type == "cuda" and variant.vision):
+        return ()
+    if frontend is None:
+        raise ValueError("vision_graph_sizes needs the Engine's Frontend (its image preprocessing)")
+    from ninfer.targets.qwen3_6.frontend.vision import image_grid
+
+    return tuple(dict.fromkeys(image_grid(w, h, frontend.image_config) for w, h in config.vision_graph_sizes))
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

@@ -198,6 +198,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def image_grid(width: int, height: int, config: ImageProcessorConfig) -> tuple[int, int, int]:
+    """The ``grid_thw`` `preprocess_image` gives an image of ``width`` x ``height`` pixels (its resize to
+    the processor's grid, in patches); raises ImagePreprocessError for an aspect ratio it refuses."""
+    h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    return (1, h // config.patch_size, w // config.patch_size)
+
+
 def image_digest(image: DecodedImage, config: ImageProcessorConfig) -> str:
     """sha256 over the decoded pixels' digest and the preprocessing parameters."""
     h = hashlib.sha256(_DIGEST_DOMAIN)
@@ -210,9 +217,8 @@ def preprocess_image(image: DecodedImage, config: ImageProcessorConfig) -> Proce
     """The image's pixel_values and grid (module docstring); raises ImagePreprocessError."""
     if not isinstance(image, DecodedImage):
         raise TypeError(f"preprocess_image takes a DecodedImage, got {type(image).__name__}")
-    height, width = smart_resize(
-        image.height, image.width, config.factor, config.min_pixels, config.max_pixels
-    )
+    _, grid_h, grid_w = image_grid(image.width, image.height, config)
+    height, width = grid_h * config.patch_size, grid_w * config.patch_size
     resized = image.to_pil().resize((width, height), resample=config.resample)
     x: np.ndarray = np.asarray(resized)  # [H, W, 3] uint8
     # steps 3 and 4 in the other order: the patches are cut from the uint8 pixels (a quarter of the bytes
@@ -227,8 +233,7 @@ def preprocess_image(image: DecodedImage, config: ImageProcessorConfig) -> Proce
     frames = np.broadcast_to(values[:, :, None], (n, channels, t, p, p))  # the still image over T frames
     pixel_values = np.ascontiguousarray(frames.reshape(n, channels * t * p * p))
     pixel_values.setflags(write=False)
-    grid = (1, height // config.patch_size, width // config.patch_size)
-    return ProcessedImage(pixel_values, grid, image_digest(image, config))
+    return ProcessedImage(pixel_values, (1, grid_h, grid_w), image_digest(image, config))
 
 
 def _normalized_levels(config: ImageProcessorConfig, channels: int) -> np.ndarray:

@@ -75,6 +75,7 @@ from ninfer.targets.qwen3_6.memory import MemoryPlan
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import Variant
 from ninfer.targets.qwen3_6.view import ModelView
+from ninfer.targets.qwen3_6.vision import vision_tokens
 
 _program_ids = itertools.count(1)
 
@@ -94,6 +95,8 @@ class ProgramConfig:
     kernels: str = "auto"  # op implementations (kernels.select_kernels)
     decode_lookahead: bool = False  # the plain backend queues the next decode behind each (plain.py)
     max_image_tokens: int = 16384  # image pad tokens one request may carry (the vision workspace's size)
+    # with cuda_graphs: image grids (t, h, w patches) whose vision tower is captured at start
+    vision_graph_grids: tuple[tuple[int, int, int], ...] = ()
     checkpoint_slots: int = (
         0  # state slots for published checkpoints (the context cache), on top of the lanes'
     )
@@ -176,15 +179,20 @@ class Qwen36Program:
             scratch_slot=0,
         )
         self.backend.bind(self.executor, self.sampler, self.backend_kv)
-        # the vision tower, in graphs per recurring image size within the vision workspace's patches
-        self.vision_tower = (
-            VisionTower(
-                view.vision, variant.vision, self.kernels, graphs=graphs,
-                max_patches=config.max_image_tokens * variant.vision.spatial_merge_size**2,
+        # the vision tower, with the configured image grids captured as graphs now (before any request)
+        self.vision_tower = None
+        if view.vision is not None and variant.vision is not None:
+            for grid in config.vision_graph_grids:
+                tokens = vision_tokens([grid], variant.vision)
+                if tokens > config.max_image_tokens:
+                    raise ValueError(
+                        f"vision graph grid {grid} is {tokens} image tokens, over max_image_tokens "
+                        f"{config.max_image_tokens}"
+                    )
+            self.vision_tower = VisionTower(
+                view.vision, variant.vision, self.kernels,
+                graph_grids=config.vision_graph_grids if graphs else (),
             )  # fmt: skip
-            if view.vision is not None and variant.vision is not None
-            else None
-        )
         self._sequences: dict[int, SequenceState] = {}
         self._batch_ids = itertools.count(1)
         self._open_pending: PendingBatch | None = None

@@ -1,130 +1,109 @@
-"""`VisionTower`: the Program's vision tower, replayed as a CUDA graph for image grids it has seen before.
+"""`VisionTower`: the Program's vision tower, with a CUDA graph per configured image grid, captured at start.
 
 The tower's eager forward (`vision.vision_embeddings`) is some 490 launches for one 1,024 x 1,024 image,
-18 a block: between its GEMMs and attention the small kernels finish faster than the host launches
-them, so the host sets the pace there. Its shapes depend only on the images' grids, so a call whose grid
-list was seen before replays a graph captured for that list: the pixels copied into the graph's static
-input, the features cloned out of its static output (a prompt keeps its features until its prefill has
-passed the image pads, across other images' replays).
+18 a block: between its GEMMs and attention the small kernels finish before the host has launched the
+next, so the host sets the pace there (run 28: a graph replay 3.16 against 6.87 ms at 448², 14.42
+against 15.69 at 1024²). Its shapes depend only on the image's grid, so the grids the Program is
+configured with (`ProgramConfig.vision_graph_grids`, from `EngineConfig.vision_graph_sizes`) are captured
+at construction, as the specification wants every CUDA graph resource built before the Engine accepts
+requests: no capture, allocation or device synchronisation happens on the request path.
 
-A grid list is captured the second time it is seen (an image size seen once costs no capture): a
-warm-up run on the capture stream gives that call's output, then the capture. At most ``max_graphs``
-lists are kept (the least recently used dropped), each of at most ``max_patches`` patches (the vision
-workspace the memory plan counts); they share one memory pool, as only one runs at a time. A list
-whose capture fails runs eagerly from then on. Without CUDA graphs (CPU, `ProgramConfig.cuda_graphs`
-off) every call is the eager tower.
+One graph per image, keyed by its grid (so where a prefill chunk cuts and which images share a call do
+not change the key): a call replays the graph of each image whose grid has one (its pixels copied into
+the static input, its features cloned out of the static output, since a prompt keeps them across other
+replays) and runs the other images eagerly together. The graphs' static input and output are views of
+one buffer pair of the largest grid, and they share one memory pool (one runs at a time, and each
+replay's output is copied out before the next): the memory plan counts both (`memory.vision_graph_bytes`).
 """
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ninfer.targets.qwen3_6.kernels import Kernels
 from ninfer.targets.qwen3_6.variant import VisionDims
 from ninfer.targets.qwen3_6.view import VisionView
-from ninfer.targets.qwen3_6.vision import Grid, check_grids, vision_embeddings
+from ninfer.targets.qwen3_6.vision import Grid, check_grids, vision_embeddings, vision_tokens
 
 Tensor = torch.Tensor
-GridKey = tuple[Grid, ...]
-
-_log = logging.getLogger(__name__)
-
-# grid lists kept as graphs: a server sees a few recurring image sizes (fixed-size screenshots, client
-# resizes), not dozens
-DEFAULT_MAX_GRAPHS = 8
 
 
-@dataclass(eq=False)
-class _TowerGraph:
-    pixels: Tensor  # the static input [patches, C*T*P*P]
-    features: Tensor  # the static output [image tokens, out_hidden]
-    graph: torch.cuda.CUDAGraph
+def patches(grid: Grid) -> int:
+    t, h, w = grid
+    return t * h * w
 
 
 class VisionTower:
-    """``tower(pixels, grids)`` -> the images' features (`vision_embeddings`' result), from a graph replay
-    where the grid list has been seen before (module docstring)."""
+    """``tower(pixels, grids)`` -> the images' features (`vision_embeddings`' result, images in order);
+    images whose grid was captured replay its graph (module docstring)."""
 
     def __init__(
-        self,
-        view: VisionView,
-        dims: VisionDims,
-        kernels: Kernels,
-        *,
-        graphs: bool,
-        max_patches: int,
-        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        self, view: VisionView, dims: VisionDims, kernels: Kernels, *, graph_grids: Sequence[Grid] = ()
     ) -> None:
-        device = view.patch_embed_weight.device
+        """``graph_grids``: the grids to capture (CUDA only; ignored elsewhere)."""
         self.view, self.dims, self.kernels = view, dims, kernels
-        self.graphs = graphs and device.type == "cuda" and max_graphs > 0
-        self.max_patches = max_patches
-        self.max_graphs = max_graphs
-        self._seen: OrderedDict[GridKey, None] = OrderedDict()  # lists seen once (bounded like the graphs)
-        self._graphs: OrderedDict[GridKey, _TowerGraph] = OrderedDict()  # least recently used first
-        self._eager_only: set[GridKey] = set()  # lists whose capture failed
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._stream = torch.cuda.Stream(device=device) if self.graphs else None
-        self.replays = 0  # calls served by a graph (observability; tests read it)
-        self.captures = 0
+        self.replays = 0  # images served by a graph (observability; tests read it)
+        self._graphs: dict[Grid, torch.cuda.CUDAGraph] = {}
+        weight = view.patch_embed_weight
+        grids = sorted({_grid(g) for g in graph_grids}, key=patches, reverse=True)  # the pool fits the rest
+        if not grids or weight.device.type != "cuda":
+            return
+        width = dims.in_channels * dims.temporal_patch_size * dims.patch_size**2
+        self._pixels = torch.zeros(patches(grids[0]), width, dtype=weight.dtype, device=weight.device)
+        self._features = torch.zeros(
+            vision_tokens(grids[:1], dims), dims.out_hidden_size, dtype=weight.dtype, device=weight.device
+        )
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=weight.device)
+        stream.wait_stream(torch.cuda.current_stream(weight.device))
+        with torch.cuda.stream(stream):
+            for grid in grids:
+                pixels, out = self._static(grid)
+                for _ in range(2):  # kernels compiled, library plans made, outside the capture
+                    out.copy_(vision_embeddings(view, dims, pixels, [grid], kernels))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out.copy_(vision_embeddings(view, dims, pixels, [grid], kernels))
+                self._graphs[grid] = graph
+        torch.cuda.current_stream(weight.device).wait_stream(stream)
 
     @property
-    def graph_count(self) -> int:
-        return len(self._graphs)
+    def graph_grids(self) -> tuple[Grid, ...]:
+        return tuple(self._graphs)
 
     def __call__(self, pixels: Tensor, grids: Sequence[Grid]) -> Tensor:
-        key: GridKey = tuple(tuple(int(v) for v in g) for g in grids)  # type: ignore[misc]
-        check_grids(pixels, key, self.dims)
-        if not self.graphs or pixels.shape[0] > self.max_patches or key in self._eager_only:
-            return self._eager(pixels, key)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            graph.pixels.copy_(pixels)
-            graph.graph.replay()
+        keys = [_grid(g) for g in grids]
+        check_grids(pixels, keys, self.dims)
+        if not any(k in self._graphs for k in keys):
+            return vision_embeddings(self.view, self.dims, pixels, keys, self.kernels)
+        parts = pixels.split([patches(k) for k in keys])
+        eager = [i for i, k in enumerate(keys) if k not in self._graphs]
+        rest: list[Tensor] = []
+        if eager:  # the images without a graph in one eager call, then split back per image
+            out = vision_embeddings(
+                self.view, self.dims, torch.cat([parts[i] for i in eager]), [keys[i] for i in eager],
+                self.kernels,
+            )  # fmt: skip
+            rest = list(out.split([vision_tokens([keys[i]], self.dims) for i in eager]))
+        features = []
+        for part, key in zip(parts, keys):
+            graph = self._graphs.get(key)
+            if graph is None:
+                features.append(rest.pop(0))
+                continue
+            static_in, static_out = self._static(key)
+            static_in.copy_(part)  # the eager forward's own cast to the weights' dtype
+            graph.replay()
+            features.append(static_out.clone())
             self.replays += 1
-            return graph.features.clone()
-        if key not in self._seen:
-            self._remember(self._seen, key)
-            return self._eager(pixels, key)
-        del self._seen[key]
-        return self._capture(pixels, key)
+        return torch.cat(features)
 
-    def _eager(self, pixels: Tensor, key: GridKey) -> Tensor:
-        return vision_embeddings(self.view, self.dims, pixels, key, self.kernels)
+    def _static(self, grid: Grid) -> tuple[Tensor, Tensor]:
+        return self._pixels[: patches(grid)], self._features[: vision_tokens([grid], self.dims)]
 
-    def _capture(self, pixels: Tensor, key: GridKey) -> Tensor:
-        """Warm up on the capture stream (this call's output), then capture the list's graph."""
-        stream = self._stream
-        assert stream is not None
-        current = torch.cuda.current_stream(pixels.device)
-        static = torch.empty_like(pixels)
-        static.copy_(pixels)
-        stream.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            out = self._eager(static, key)  # kernels compiled, library plans made, outside the capture
-            try:
-                # thread_local: another thread's CUDA calls (none expected) do not break the capture
-                with torch.cuda.graph(graph, self._pool, stream, capture_error_mode="thread_local"):
-                    features = self._eager(static, key)
-            except RuntimeError as error:  # a kernel that cannot be captured: this list stays eager
-                _log.warning("vision tower: grids %s run eagerly, the capture failed: %s", key, error)
-                self._eager_only.add(key)
-                features = None
-        current.wait_stream(stream)
-        out.record_stream(current)  # made on the capture stream, read on this one
-        if features is not None:
-            self._remember(self._graphs, key, _TowerGraph(static, features, graph))
-            self.captures += 1
-        return out
 
-    def _remember(self, table: OrderedDict, key: GridKey, value: object = None) -> None:
-        table[key] = value
-        while len(table) > self.max_graphs:
-            table.popitem(last=False)
+def _grid(grid: Sequence[int]) -> Grid:
+    t, h, w = (int(v) for v in grid)
+    return (t, h, w)
