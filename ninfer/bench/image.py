@@ -4,11 +4,10 @@ For each size, a random RGB image of that size (a `DecodedImage`, as the gateway
 Frontend) in a one-message chat, prepared by the Engine's Frontend (resize to the processor's grid,
 normalise, patchify). Three figures:
 
-- **tower**: the Program's own tower (`Program.vision_tower`, the call it makes before the prefill chunk
-  that first needs the image, `impl/runtime/images.py`) over that image's ``pixel_values`` (already on
-  the device), timed alone, warm (with CUDA graphs: a replay of the graph captured for the size), median
-  of the repeats; CUDA events, each call synchronised; beside it the eager tower
-  (`ninfer.targets.qwen3_6.vision.vision_embeddings`, the same weights and op table), timed the same way;
+- **tower**: `ninfer.targets.qwen3_6.vision.vision_embeddings` over that image's ``pixel_values`` (already
+  on the device) with the Program's own vision weights: the call the Program makes before the prefill
+  chunk that first needs the image (`impl/runtime/images.py`), timed alone, warm, median of the repeats;
+  CUDA events, each call synchronised;
 - **TTFT** of the one-image chat request through the public Engine (submit -> first token: the
   Frontend's preprocessing on the caller, the tower, the prefill), and beside it the TTFT of a token-id
   prompt of the same token count (no image): their difference is what the image costs in place;
@@ -70,8 +69,7 @@ class ImageRow:
     image_tokens: int
     prompt_tokens: int
     repeats: int
-    tower_ms: tuple[float, ...]  # the Program's tower (a graph replay where graphs are on)
-    tower_eager_ms: tuple[float, ...]  # vision_embeddings, eager
+    tower_ms: tuple[float, ...]
     flops: VisionFlops
     tower_floor_ms: float
     ttft_image_ms: tuple[float, ...]
@@ -110,10 +108,8 @@ class ImageRow:
                 "mlp": f.mlp,
                 "merger": f.merger,
             },  # fmt: skip
-            "tower_eager_ms": round(med(self.tower_eager_ms), 4),
             "tower_floor_ms": round(self.tower_floor_ms, 4),
             "tower_pct_floor": round(100.0 * self.tower_floor_ms / tower, 2),
-            "tower_eager_pct_floor": round(100.0 * self.tower_floor_ms / med(self.tower_eager_ms), 2),
             "tower_TFLOPs": round(f.total / tower / 1e9, 4),
             "ttft_image_ms": round(med(self.ttft_image_ms), 3),
             "submit_image_ms": round(med(self.submit_image_ms), 3),
@@ -151,20 +147,18 @@ def _ms(x: float) -> str:
 def render_image(report: ImageReport) -> str:
     lines = report.header.lines("--image")
     lines += [
-        f"one image per request, repeats {report.settings['repeats']} (medians); tower: the Program's tower "
-        "alone (eager: vision_embeddings), warm, on device-resident pixels",
+        f"one image per request, repeats {report.settings['repeats']} (medians); tower: vision_embeddings "
+        "alone, warm, on device-resident pixels",
         "",
-        f"{'size':>11} {'grid':>11} {'tokens':>7} {'tower ms':>9} {'eager ms':>9} {'floor ms':>9} "
-        f"{'% floor':>8} {'TFLOP':>7} | {'TTFT img':>9} {'submit':>7} {'TTFT txt':>9} {'img-txt':>8} "
-        f"{'floor':>7}",
+        f"{'size':>11} {'grid':>11} {'tokens':>7} {'tower ms':>9} {'floor ms':>9} {'% floor':>8} "
+        f"{'TFLOP':>7} | {'TTFT img':>9} {'submit':>7} {'TTFT txt':>9} {'img-txt':>8} {'floor':>7}",
     ]
     for row in report.rows:
         d = row.to_json()
         grid = "x".join(str(v) for v in row.grid_thw)
         lines.append(
             f"{d['size']:>11} {grid:>11} {row.image_tokens:>7} {_ms(d['tower_ms']):>9} "
-            f"{_ms(d['tower_eager_ms']):>9} {_ms(d['tower_floor_ms']):>9} {d['tower_pct_floor']:>7.1f}% "
-            f"{row.flops.total / 1e12:>7.3g} | "
+            f"{_ms(d['tower_floor_ms']):>9} {d['tower_pct_floor']:>7.1f}% {row.flops.total / 1e12:>7.3g} | "
             f"{_ms(d['ttft_image_ms']):>9} {_ms(d['submit_image_ms']):>7} {_ms(d['ttft_text_ms']):>9} "
             f"{_ms(d['ttft_image_minus_text_ms']):>8} {_ms(d['ttft_floor_ms']):>7}"
         )
@@ -175,11 +169,9 @@ def render_image(report: ImageReport) -> str:
 ASSUMPTIONS = (
     VISION_ASSUMPTION,
     "tower floor = tower FLOPs / the measured matmul throughput (bf16 on CUDA); % floor = floor / measured",
-    "tower ms: the Program's vision_tower called directly with the image's pixel_values already on the "
-    "device (the Program's own call adds their host-to-device copy), warm-up 2 (with CUDA graphs the "
-    "first call of a size runs eagerly, the second captures its graph, the timed calls replay it); "
-    "eager ms: vision_embeddings with the same weights and op table, warm-up 1; CUDA events with each "
-    "call synchronised",
+    "tower ms: vision_embeddings(program.view.vision, ...) called directly with the image's pixel_values "
+    "already on the device (the Program's own call adds their host-to-device copy), warm-up 1, CUDA "
+    "events with each call synchronised",
     "TTFT img: a one-image chat request (a fresh random image each repeat, so the context cache could not "
     "serve it), submit -> first token: preprocessing on the caller (submit), the tower, the prefill; TTFT "
     "txt: a token-id prompt of the same token count; img-txt: what the image costs in place",
@@ -239,8 +231,6 @@ def run_image(
         from ninfer.targets.qwen3_6.vision import vision_embeddings
 
         kernels = started.program.kernels  # the Program's own table
-        program_tower = started.program.vision_tower
-        assert program_tower is not None
         for i, (width, height) in enumerate(plan.sizes):
             prompt = _prepared(engine.frontend, width, height, options.seed)
             image = prompt.images[0]
@@ -250,14 +240,9 @@ def run_image(
 
             def tower(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
                 with torch.inference_mode():
-                    return program_tower(pixels, [grid])  # type: ignore[list-item]
-
-            def eager(pixels: torch.Tensor = pixels, grid: tuple[int, ...] = grid) -> torch.Tensor:
-                with torch.inference_mode():
                     return vision_embeddings(view.vision, variant.vision, pixels, [grid], kernels)
 
-            tower_s = timed_seconds(tower, device, plan.repeats, warmup=2)
-            eager_s = timed_seconds(eager, device, plan.repeats, warmup=1)
+            tower_s = timed_seconds(tower, device, plan.repeats, warmup=1)
             del pixels
             log(
                 f"{width}x{height}: TTFT of the image prompt and of a text prompt of "
@@ -302,7 +287,6 @@ def run_image(
                     prompt_tokens=len(prompt.token_ids),
                     repeats=plan.repeats,
                     tower_ms=tuple(s * 1e3 for s in tower_s),
-                    tower_eager_ms=tuple(s * 1e3 for s in eager_s),
                     flops=flops,
                     tower_floor_ms=flops.total / peak * 1e3,
                     ttft_image_ms=tuple(s.ttft_s * 1e3 for s in image_samples),

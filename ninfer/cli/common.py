@@ -30,11 +30,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_graph_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="run decode, prefill and the vision tower eagerly on CUDA",
-    )
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode and prefill eagerly on CUDA")
     p.add_argument(
         "--prefill-graph-tokens",
         type=int,

@@ -168,7 +168,7 @@ def _rotary(row: Tensor, col: Tensor, dims: VisionDims) -> tuple[Tensor, Tensor]
 def _frame_groups(grids: Sequence[Grid], device: torch.device) -> list[tuple[int, Tensor | None]]:
     """(frame length, rows of all frames of that length, or None when that is every row in order):
     attention runs within each frame, frames of one length as one batch. Built once per call, from
-    device ranges only (no host copy: the call can be captured in a CUDA graph, `VisionTower`)."""
+    device ranges only (no host copy, so the forward can be captured in a CUDA graph)."""
     starts: dict[int, list[int]] = {}
     offset = 0
     for t, h, w in grids:

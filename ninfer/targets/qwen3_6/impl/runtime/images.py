@@ -3,19 +3,21 @@ an image's features, and the chunk takes them at the image's pad tokens (the ste
 
 Features are computed once per image, on the device, and dropped as soon as the prefill has passed the
 image's pads, so a long prompt with many images holds only the features of the images its current chunk
-touches. The tower is the Program's `vision_graphs.VisionTower` (`vision.vision_embeddings`, replayed as
-a CUDA graph for image sizes it has seen before).
+touches. The tower is `ninfer.targets.qwen3_6.vision.vision_embeddings` (attention over each image's
+patches by frame, no CUDA graph: it runs once per image).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-# (pixel_values on the tower's device, the images' grids) -> their features [image tokens, H]
-Tower = Callable[[torch.Tensor, Sequence[tuple[int, int, int]]], torch.Tensor]
+from ninfer.targets.qwen3_6.kernels import Kernels
+from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.view import ModelView
+from ninfer.targets.qwen3_6.vision import vision_embeddings
 
 
 def prompt_images(prompt: Any) -> tuple[Any, ...]:
@@ -31,18 +33,18 @@ class PromptImages:
         self._features: dict[int, torch.Tensor] = {}  # image index -> [num_tokens, H] on the device
 
     def splice(
-        self, start: int, end: int, tower: Tower | None, device: torch.device
+        self, start: int, end: int, view: ModelView, variant: Variant, kernels: Kernels
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(chunk-relative token indices [M], their embeddings [M, H]) for the image pads among prompt
-        positions ``start..end-1``, running ``tower`` (on ``device``) for images not computed yet; None
-        without any."""
+        positions ``start..end-1``, running the tower (on the op table ``kernels``) for images not computed
+        yet; None without any."""
         needed = [
             i for i, image in enumerate(self.images)
             if image.token_offset < end and image.token_offset + image.num_tokens > start
         ]  # fmt: skip
         if not needed:
             return None
-        self._compute([i for i in needed if i not in self._features], tower, device)
+        self._compute([i for i in needed if i not in self._features], view, variant, kernels)
         indices, embeds = [], []
         for i in needed:
             image = self.images[i]
@@ -57,15 +59,18 @@ class PromptImages:
                 del self._features[i]
         return torch.cat(indices), torch.cat(embeds)
 
-    def _compute(self, which: Sequence[int], tower: Tower | None, device: torch.device) -> None:
+    def _compute(self, which: Sequence[int], view: ModelView, variant: Variant, kernels: Kernels) -> None:
         if not which:
             return
-        if tower is None:
+        if view.vision is None or variant.vision is None:
             raise ValueError("the prompt has images but the package has no vision tower")
         images = [self.images[i] for i in which]
+        device = view.vision.patch_embed_weight.device
         # the prompt's arrays are read-only (it owns them); the tower reads a device copy
         pixels = torch.cat([torch.tensor(image.pixel_values) for image in images]).to(device)
-        features = tower(pixels, [image.grid_thw for image in images])
+        features = vision_embeddings(
+            view.vision, variant.vision, pixels, [image.grid_thw for image in images], kernels
+        )
         offset = 0
         for i, image in zip(which, images):
             self._features[i] = features[offset : offset + image.num_tokens]

@@ -69,7 +69,6 @@ from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import capacities
 from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
-from ninfer.targets.qwen3_6.impl.runtime.vision_graphs import VisionTower
 from ninfer.targets.qwen3_6.kernels import fla_available, select_kernels
 from ninfer.targets.qwen3_6.memory import MemoryPlan
 from ninfer.targets.qwen3_6.model import StateStore
@@ -176,15 +175,6 @@ class Qwen36Program:
             scratch_slot=0,
         )
         self.backend.bind(self.executor, self.sampler, self.backend_kv)
-        # the vision tower, in graphs per recurring image size within the vision workspace's patches
-        self.vision_tower = (
-            VisionTower(
-                view.vision, variant.vision, self.kernels, graphs=graphs,
-                max_patches=config.max_image_tokens * variant.vision.spatial_merge_size**2,
-            )  # fmt: skip
-            if view.vision is not None and variant.vision is not None
-            else None
-        )
         self._sequences: dict[int, SequenceState] = {}
         self._batch_ids = itertools.count(1)
         self._open_pending: PendingBatch | None = None
@@ -399,7 +389,7 @@ class Qwen36Program:
         chunk = seq.prompt[start:end]
         splice = None
         if seq.images is not None:
-            splice = seq.images.splice(start, end, self.vision_tower, self.config.device)
+            splice = seq.images.splice(start, end, self.view, self.variant, self.kernels)
         if remaining > budget_tokens:
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
             run = self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
