@@ -191,7 +191,7 @@ def run_interference(
             f"--interference {plan.prompt_tokens} needs {plan.max_context} positions; the model holds "
             f"{package.variant.max_position_embeddings}"
         )
-    first, *others = plan.bounds_ms
+    first = plan.bounds_ms[0]
     probe, started = probe_and_start(options, interference_config(options, plan, first), log)
     header = run_header(started, probe)
     prompts = PromptSource(first_special_id(package.variant.special), options.seed)
