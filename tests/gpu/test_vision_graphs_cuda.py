@@ -77,8 +77,9 @@ def test_fused_fc1_gelu_is_the_tanh_gelu(shape: tuple[int, int, int]) -> None:
         linear = F.linear(x, w, bias)
         want, exact = F.gelu(linear, approximate="tanh"), F.gelu(linear)
         got = fast_linear_gelu_tanh(x, w, bias)
-        # fp32: the tanh form, told apart from the exact one
-        assert _rel(got, want) <= 1e-6 < 0.1 * _rel(exact, want), (_rel(got, want), _rel(exact, want))
+        # fp32: the tanh form (within the GEMM's accumulation order, ~2e-6 on an H100), told apart from the
+        # exact one (~2e-4)
+        assert _rel(got, want) <= 1e-5 < 0.1 * _rel(exact, want), (_rel(got, want), _rel(exact, want))
         xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()
         fused = fast_linear_gelu_tanh(xb, wb, bb)
         composed = F.gelu(F.linear(xb, wb, bb), approximate="tanh")  # the reference table in bf16
