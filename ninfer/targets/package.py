@@ -19,14 +19,19 @@ STORAGE_PROFILES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32
 
 # Features a checkpoint of a package may lack (a text-only export, a quantizer's export without MTP):
 # its artifact then binds the package with the feature off. The text model is never optional.
-OptionalFeature = Literal["vision", "mtp"]
-OPTIONAL_FEATURES: tuple[OptionalFeature, ...] = ("vision", "mtp")
+OptionalFeature = Literal["vision", "mtp", "dflash"]
+OPTIONAL_FEATURES: tuple[OptionalFeature, ...] = ("vision", "mtp", "dflash")
 # what each feature's weights are called in a Hugging Face checkpoint, and what turning it off refuses
 FEATURE_WEIGHTS: dict[str, str] = {
     "vision": "vision tower weights (model.visual.*)",
     "mtp": "MTP weights (mtp.*)",
+    "dflash": "DFlash drafter weights (dflash.*, converted with --dflash)",
 }
-FEATURE_REFUSES: dict[str, str] = {"vision": "images are refused", "mtp": "--speculative mtp:K is refused"}
+FEATURE_REFUSES: dict[str, str] = {
+    "vision": "images are refused",
+    "mtp": "--speculative mtp:K is refused",
+    "dflash": "--speculative dflash:K is refused",
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,11 @@ class Package:
         """Whether the package binds a multi-token-prediction head (``speculative="mtp:K"`` can draft)."""
         return bool(self.variant.mtp_num_hidden_layers)
 
+    @property
+    def has_dflash(self) -> bool:
+        """Whether the package binds a DFlash block drafter (``speculative="dflash:K"`` can draft)."""
+        return self.variant.dflash is not None
+
     def without(self, features: Collection[str]) -> Package:
         """This package as an artifact without ``features``' weights binds it: the variant drops the
         vision tower and/or the MTP layer, so the schema, the memory plan and the Program never expect
@@ -71,6 +81,8 @@ class Package:
             variant = dataclasses.replace(variant, vision=None)
         if "mtp" in features:
             variant = dataclasses.replace(variant, mtp_num_hidden_layers=0)
+        if "dflash" in features:
+            variant = dataclasses.replace(variant, dflash=None)
         off = tuple(f for f in OPTIONAL_FEATURES if f in features or f in self.features_off)
         return dataclasses.replace(self, variant=variant, features_off=off)
 
@@ -82,8 +94,9 @@ class Package:
             for f, has in (
                 ("vision", variant.vision is not None),
                 ("mtp", bool(variant.mtp_num_hidden_layers)),
+                ("dflash", variant.dflash is not None),
             )
-            if not has and (self.has_vision if f == "vision" else self.has_mtp)
+            if not has and {"vision": self.has_vision, "mtp": self.has_mtp, "dflash": self.has_dflash}[f]
         )
         return off if not self.without(off).variant.diff(variant) else None
 
@@ -95,7 +108,7 @@ class Package:
                 f"the artifact of package {self.name!r} has no {FEATURE_WEIGHTS[feature]}: it was converted "
                 "from a checkpoint without them"
             )
-        what = "vision tower" if feature == "vision" else "MTP layer"
+        what = {"vision": "vision tower", "mtp": "MTP layer", "dflash": "registered DFlash drafter"}[feature]
         return f"package {self.name!r} has no {what}"
 
     def summary_lines(self) -> list[str]:

@@ -63,7 +63,11 @@ def package_for_hf_config(cfg: dict[str, Any]) -> Package:
     def diffs_to(p: Package) -> list[str]:  # ignoring the features the config leaves out
         off = [
             f
-            for f, absent in (("vision", variant.vision is None), ("mtp", not variant.mtp_num_hidden_layers))
+            for f, absent in (
+                ("vision", variant.vision is None),
+                ("mtp", not variant.mtp_num_hidden_layers),
+                ("dflash", variant.dflash is None),
+            )
             if absent
         ]
         return p.without(off).variant.diff(_with_defaults(variant, p))

@@ -84,6 +84,7 @@ def build_engine(
     capture_interval: int = 128,
     start_worker: bool = True,
     draft_tokens: int = 0,
+    backend: Any = None,
     clock: Any = None,
     **config_fields: Any,
 ) -> Engine:
@@ -91,7 +92,8 @@ def build_engine(
     ``view``) with room for ``checkpoint_slots`` checkpoints (``kv_pages`` defaults to the lanes' own
     pages plus as many again) and a host tier of ``host_slots`` slots and ``host_pages`` pages.
     ``start_worker=False``: no worker thread, the caller steps the core.
-    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``clock``: the
+    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``backend``: decode
+    with this backend instead; ``clock``: the
     Engine's clock; ``config_fields``: more EngineConfig fields."""
     variant = PACKAGES[name].variant
     lane_pages = MAX_CONTEXT // PAGE_SIZE * max_concurrency
@@ -104,7 +106,7 @@ def build_engine(
             dtype=torch.float32, checkpoint_slots=checkpoint_slots if prefix_cache else 0,
             host_checkpoint_slots=host_slots, host_kv_pages=host_pages,
         ),
-        backend=MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None,
+        backend=backend or (MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None),
     )  # fmt: skip
     config = EngineConfig(
         max_concurrency=max_concurrency, device="cpu", dtype="float32", max_context=MAX_CONTEXT,

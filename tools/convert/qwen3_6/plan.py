@@ -84,7 +84,7 @@ def canonical_name(key: str) -> str | None:
         return key.removeprefix("model.language_model.")
     if key.startswith("model.visual."):
         return "visual." + key.removeprefix("model.visual.")
-    if key.startswith(("lm_head.", "mtp.")):
+    if key.startswith(("lm_head.", "mtp.", "dflash.")):  # dflash.: a drafter's (`merge_drafter`)
         return key
     if key.startswith("model."):  # text-only checkpoint (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM)
         return key.removeprefix("model.")
@@ -92,7 +92,7 @@ def canonical_name(key: str) -> str | None:
 
 
 # canonical-name prefix of each optional feature's tensors
-_FEATURE_PREFIX: dict[str, str] = {"vision": "visual.", "mtp": "mtp."}
+_FEATURE_PREFIX: dict[str, str] = {"vision": "visual.", "mtp": "mtp.", "dflash": "dflash."}
 
 
 def features_off(ckpt: HFCheckpoint, package: Package) -> dict[str, str]:
@@ -112,6 +112,8 @@ def features_off(ckpt: HFCheckpoint, package: Package) -> dict[str, str]:
         "mtp": "no MTP layer (config.json: mtp_num_hidden_layers is 0 or absent)",
     }
     off: dict[str, str] = {}
+    if package.has_dflash and not present["dflash"]:  # a drafter comes from its own checkpoint
+        off["dflash"] = "no DFlash drafter (convert with --dflash DRAFTER_DIR)"
     for feature, has in (("vision", package.has_vision), ("mtp", package.has_mtp)):
         if not has:
             continue

@@ -135,7 +135,9 @@ class Qwen36Program:
             extra_tokens=self.backend.extra_tokens,
             checkpoint_slots=config.checkpoint_slots,
             slot_bytes=StateStore.slot_bytes(variant, config.dtype),
-            page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype, self.backend.kv_layers),
+            page_bytes=StateStore.page_bytes(
+                variant, config.page_size, config.dtype, self.backend.kv_layers, self.backend.kv_head_shape
+            ),
             host_slots=config.host_checkpoint_slots,
             host_pages=config.host_kv_pages,
         )
@@ -145,7 +147,10 @@ class Qwen36Program:
         # the decode backend's own KV (a drafter's attention layers), in pages of the text model's ids
         layers, pages = self.backend.kv_layers, config.kv_pages
         self.backend_kv = (
-            StateStore.allocate_kv(variant, layers, pages, config.page_size, config.dtype, config.device)
+            StateStore.allocate_kv(
+                variant, layers, pages, config.page_size, config.dtype, config.device,
+                self.backend.kv_head_shape,
+            )
             if layers
             else None
         )
@@ -173,6 +178,7 @@ class Qwen36Program:
             graph_shapes=self.backend.graph_shapes(n) if graphs else (),
             prefill_capacities=prefill_capacities(config) if graphs and self._fla_prefill() else (),
             scratch_slot=0,
+            taps=self.backend.taps,
         )
         self.backend.bind(self.executor, self.sampler, self.backend_kv)
         self._sequences: dict[int, SequenceState] = {}
