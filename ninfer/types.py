@@ -117,7 +117,7 @@ def parse_speculative(text: str | None) -> SpeculativeSpec | None:
     k = int(count)
     limit = MAX_DFLASH_DRAFT_TOKENS if method == "dflash" else MAX_DRAFT_TOKENS
     if not 1 <= k <= limit:
-        raise ValueError(f"speculative {method} draft tokens K must be 1..{limit}, got {k}")
+        raise ValueError(f"speculative draft tokens K must be 1..{limit}, got {k}")
     if method in ("mtp", "dflash"):
         if tau:
             raise ValueError(f"{method} takes no mean accepted length (it is the model's), got {text!r}")
