@@ -33,6 +33,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.impl.runtime.step import pinned_ids
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import DFlashDims
 
@@ -106,7 +107,7 @@ class DFlashDraft(VerifyRound):
             if not 0 <= seq.frontier < pending.frontier:
                 raise ProgramInvariantError(f"{seq.handle} has no DFlash drafts for frontier {seq.frontier}")
             assert seq.pending_input is not None
-            self._draft_from([seq], self._on_device([seq.pending_input]), [seq.frontier])
+            self._draft_from([seq], self._ids([seq.pending_input]), [seq.frontier])
             pending = self._pending[seq.handle.index]
         if pending.done is not None:
             pending.done.synchronize()
@@ -120,7 +121,7 @@ class DFlashDraft(VerifyRound):
         bounds = run.step.query_start_host
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         positions = [p for s, n in zip(seqs, lengths) for p in range(s.frontier, s.frontier + n)]
-        self._write_context(run, self._on_device(positions))
+        self._write_context(run, self._ids(positions))
         if drafts:  # the rows commit their whole span: the block starts at its end, after its last token
             last = run.step.fields().query_start[1:].long() - 1
             self._draft_from(
@@ -166,8 +167,8 @@ class DFlashDraft(VerifyRound):
     def _draft_from(
         self, seqs: Sequence[SequenceState], anchors: torch.Tensor, frontiers: Sequence[int]
     ) -> None:
-        index = self._on_device([s.handle.index for s in seqs])
-        proposed = self._block(anchors, self._on_device(list(frontiers)), index)
+        index = self._ids([s.handle.index for s in seqs])
+        proposed = self._block(anchors, self._ids(list(frontiers)), index)
         self._queue(seqs, proposed, frontiers)
 
     def _block(self, anchors: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -192,6 +193,10 @@ class DFlashDraft(VerifyRound):
         kernels = executor.kernels
         return kernels.argmax(kernels.logits(heads, self._head), None).view(rows, self.draft_tokens)
 
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        assert self._executor is not None
+        return pinned_ids(values, self._executor.steps.device)
+
     def _queue(
         self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
     ) -> None:
@@ -204,13 +209,3 @@ class DFlashDraft(VerifyRound):
         for i, seq in enumerate(seqs):
             frontier = frontiers[i] if frontiers is not None else -1
             self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)
-
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        """Host ints as a device tensor, through pinned memory on CUDA (a copy from pageable memory would
-        wait for the device queue to drain)."""
-        assert self._executor is not None
-        device = self._executor.steps.device
-        ids = torch.tensor(values, dtype=torch.long)
-        if device.type == "cuda":
-            ids = ids.pin_memory()
-        return ids.to(device, non_blocking=True)
