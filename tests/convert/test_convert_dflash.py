@@ -34,7 +34,7 @@ def save_drafter(path: Path, *, seed: int, **overrides: object) -> Path:
     from transformers import Qwen3Config
 
     package = PACKAGES[DENSE]
-    dims = package.variant.dflash
+    dims = package.drafter
     assert dims is not None
     torch.manual_seed(seed)
     model = dflash_model.DFlashDraftModel(Qwen3Config(**{**dims.hf_config(package.variant), **overrides}))
@@ -63,7 +63,7 @@ def test_the_drafter_joins_the_artifact_and_drafts(target: Path, drafter: Path, 
     source = load_file(str(drafter / "model.safetensors"))
     with Artifact.open(out) as artifact:
         package = check_identity(artifact)
-        assert package.has_dflash and "dflash" not in package.features_off
+        assert package.has_dflash and package.features_off == ()
         for key, tensor in source.items():
             assert torch.equal(artifact.tensor(f"dflash.{key}"), tensor), key
         assert "features_off" not in artifact.provenance
@@ -84,14 +84,12 @@ def test_without_the_drafter_dflash_is_refused(target: Path, tmp_path: Path) -> 
     out = convert(target, tmp_path / "without.ninfer", progress=False)
     with Artifact.open(out) as artifact:
         package = check_identity(artifact)
-        assert not package.has_dflash and package.features_off == ("dflash",)
+        assert not package.has_dflash and package.features_off == ()
         assert "features_off" not in artifact.provenance
     config = EngineConfig(
         device="cpu", dtype="float32", speculative="dflash:3", warmup=False, max_context=256
     )
-    with pytest.raises(
-        ValueError, match="no DFlash drafter weights.*converted from a checkpoint without them"
-    ):
+    with pytest.raises(ValueError, match="no DFlash drafter weights: convert it with --dflash DRAFTER_DIR"):
         Engine(str(out), config)
 
 

@@ -159,7 +159,7 @@ def test_text_config_only_checkpoint_converts_with_vision_and_mtp_off(
     text, full = Artifact.open(out, verify=True), Artifact.open(full_artifact)
     # the package's name and dims, less its vision tower and MTP layer
     assert text.identity == full.identity
-    want = dict(PACKAGES[DENSE].without(["dflash"]).variant.dims(), vision=None, mtp_num_hidden_layers=0)
+    want = dict(PACKAGES[DENSE].variant.dims(), vision=None, mtp_num_hidden_layers=0)
     assert text.dims == want
     assert set(text.provenance["features_off"]) == {"vision", "mtp"}
     # exactly the text tensors, byte for byte those of the complete checkpoint's artifact
@@ -197,12 +197,9 @@ def test_a_complete_checkpoint_keeps_every_feature_and_says_nothing(
     out = convert(full_ckpt, tmp_path / "again.ninfer", progress=False)
     assert capsys.readouterr().err == ""
     artifact = Artifact.open(out)
-    # (the drafter, a checkpoint of its own, is not part of a complete checkpoint: test_convert_dflash.py)
-    complete = PACKAGES[DENSE].without(["dflash"])
-    assert "features_off" not in artifact.provenance and artifact.dims == complete.variant.dims()
+    assert "features_off" not in artifact.provenance and artifact.dims == PACKAGES[DENSE].variant.dims()
     package = check_identity(artifact)
-    assert package.name == DENSE and package.features_off == ("dflash",)
-    assert package.has_vision and package.has_mtp
+    assert package is PACKAGES[DENSE] and package.has_vision and package.has_mtp
 
 
 def test_moe_text_config_only_checkpoint_converts_and_generates(tmp_path: Path) -> None:

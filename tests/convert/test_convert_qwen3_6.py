@@ -119,7 +119,7 @@ def test_dense_checkpoint_converts_bit_exact(dense_ckpt: Path, dense_artifact: P
     art = Artifact.open(dense_artifact, verify=True)
     package = PACKAGES[DENSE]
     assert art.identity == package.identity("bf16")
-    assert art.dims == package.without(["dflash"]).variant.dims()  # a drafter comes with --dflash only
+    assert art.dims == package.variant.dims()
     assert_tensors_equal(art, expected_stored(DENSE, schema_view(read_all(dense_ckpt)), torch.bfloat16))
     assert art.tensor("layers.0.linear_attn.A_log").dtype == torch.float32  # keep_fp32 in every profile
 

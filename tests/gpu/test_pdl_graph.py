@@ -73,7 +73,7 @@ def test_graph_under_pdl_equals_eager_without_pdl(
     if not pdl.ENABLED:
         pytest.skip("programmatic dependent launch is off on this GPU")
     device = torch.device("cuda")
-    variant = dataclasses.replace(get_package(package).variant, num_layers=4, dflash=None)
+    variant = dataclasses.replace(get_package(package).variant, num_layers=4)
     view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
     kernels = select_kernels(device, "fast")
     batch = _batch(rows, device)

@@ -37,7 +37,7 @@ CONTEXT, PAGE_SIZE = 300, 64
 @pytest.mark.parametrize("package", ["qwen3_6_35b_a3b", "qwen3_6_27b"])
 def test_decode_step_passes_the_schedule_check(package: str, rows: int, tokens: int) -> None:
     device = torch.device("cuda")
-    variant = dataclasses.replace(get_package(package).variant, num_layers=4, dflash=None)
+    variant = dataclasses.replace(get_package(package).variant, num_layers=4)
     view = random_model_view(variant, seed=0, dtype=torch.bfloat16, device=device)
     kernels = select_kernels(device, "fast")
     batch = uniform_step(rows, tokens, CONTEXT, PAGE_SIZE, device)

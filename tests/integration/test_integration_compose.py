@@ -55,9 +55,11 @@ def _chats(engine: Engine, chats: int) -> list[list[GenerationResult]]:
 def test_reuse_drafts_and_images_together_give_the_cold_plain_tokens(name: str, drafter: str) -> None:
     with build_engine(name, prefix_cache=False, max_concurrency=4) as engine:
         cold = _chats(engine, 3)
-    dims = PACKAGES[name].variant.dflash
+    dims = PACKAGES[name].drafter
     speculative = (
-        {"draft_tokens": 2} if drafter == "mtp" else {"backend": DFlashDraft(draft_tokens=3, dims=dims)}
+        {"draft_tokens": 2}
+        if drafter == "mtp"
+        else {"backend": DFlashDraft(draft_tokens=3, dims=dims), "drafter": True}
     )
     with build_engine(name, max_concurrency=4, **speculative) as engine:  # type: ignore[arg-type]
         warm = _chats(engine, 3)

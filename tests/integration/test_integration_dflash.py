@@ -35,6 +35,7 @@ from ninfer.targets.qwen3_6.binder import dflash_state_dict
 from ninfer.targets.qwen3_6.impl.runtime.backends.dflash import DFlashDraft
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.view import ModelView
+from ninfer.targets.registry import PACKAGES
 
 dflash_model = pytest.importorskip("dflash.model")
 torch.set_num_threads(1)
@@ -74,7 +75,7 @@ class RecordingDraft(DFlashDraft):
 
 
 def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object) -> Engine:
-    view = tiny_view(name)
+    view = tiny_view(name, drafter=True)
     backend = None if k is None else RecordingDraft(draft_tokens=k, dims=view.variant.dflash)
     return build_engine(
         name, view=view, max_concurrency=max_concurrency, prefix_cache=False, backend=backend, **fields
@@ -99,7 +100,7 @@ def plain_alone(name: str) -> tuple[GenerationResult, ...]:
 def reference_drafter(name: str) -> torch.nn.Module:
     from transformers import Qwen3Config
 
-    view = tiny_view(name)
+    view = tiny_view(name, drafter=True)
     dims = view.variant.dflash
     assert dims is not None
     config = Qwen3Config(**dims.hf_config(view.variant))
@@ -112,7 +113,7 @@ def reference_drafter(name: str) -> torch.nn.Module:
 def reference_logits(name: str, sequence: list[int], frontier: int, k: int) -> torch.Tensor:
     """The reference drafter's logits [K, V] for the block at ``frontier`` of ``sequence``, from scratch:
     transformers' hidden states of the committed tokens, then one drafter forward."""
-    view: ModelView = tiny_view(name)
+    view: ModelView = tiny_view(name, drafter=True)
     dims = view.variant.dflash
     assert dims is not None
     with torch.no_grad():
@@ -149,7 +150,7 @@ def test_drafts_equal_the_reference_and_output_is_plain(name: str, k: int, mc: i
 
 
 def test_a_k_beyond_the_block_and_a_missing_drafter_are_refused(tmp_path: Path) -> None:
-    dims = tiny_view("qwen3_6_tiny").variant.dflash
+    dims = PACKAGES["qwen3_6_tiny"].drafter
     assert dims is not None
     with pytest.raises(ValueError, match=r"dflash:K needs K = 1\.\.15"):
         DFlashDraft(draft_tokens=16, dims=dims)
@@ -158,7 +159,7 @@ def test_a_k_beyond_the_block_and_a_missing_drafter_are_refused(tmp_path: Path) 
     config = EngineConfig(
         device="cpu", dtype="float32", speculative="dflash:4", warmup=False, max_context=256
     )
-    with pytest.raises(ValueError, match="no DFlash drafter.*converted from a checkpoint without them"):
+    with pytest.raises(ValueError, match="no DFlash drafter weights: convert it with --dflash DRAFTER_DIR"):
         Engine(bundled_artifact(), config)
 
 

@@ -21,7 +21,6 @@ from ninfer.targets.qwen3_6 import dflash
 from ninfer.targets.qwen3_6.binder import dflash_state_dict
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.view import ModelView
-from ninfer.targets.registry import PACKAGES
 
 model_mod = pytest.importorskip("dflash.model")
 
@@ -82,7 +81,7 @@ def reference(
 @pytest.mark.parametrize("name", PACKAGES_WITH_DRAFTERS)
 @pytest.mark.parametrize(("ctx", "t", "page_size"), [(5, 4, 16), (23, 16, 8), (40, 7, 4), (1, 2, 16)])
 def test_block_equals_the_reference(name: str, ctx: int, t: int, page_size: int) -> None:
-    view = tiny_view(name)
+    view = tiny_view(name, drafter=True)
     dims = view.variant.dflash
     assert dims is not None
     g = torch.Generator().manual_seed(ctx * 100 + t)
@@ -100,7 +99,7 @@ def test_block_equals_the_reference(name: str, ctx: int, t: int, page_size: int)
 
 @pytest.mark.parametrize("name", PACKAGES_WITH_DRAFTERS)
 def test_taps_are_transformers_hidden_states(name: str) -> None:
-    view = tiny_view(name)
+    view = tiny_view(name, drafter=True)
     dims = view.variant.dflash
     assert dims is not None
     n = 11
@@ -124,4 +123,3 @@ def test_taps_are_transformers_hidden_states(name: str) -> None:
         hf = hf_causal_lm(name)(ids[None], output_hidden_states=True).hidden_states
     for i in dims.target_layer_ids:
         torch.testing.assert_close(out.taps[i], hf[i + 1][0], rtol=1e-5, atol=1e-5)
-    assert PACKAGES[name].has_dflash

@@ -218,7 +218,7 @@ def _record_forward(fast: ModuleType, package: str, rows: int, tokens: int) -> s
     from ninfer.targets.qwen3_6.model import forward
     from ninfer.targets.registry import get_package
 
-    variant = dataclasses.replace(get_package(package).variant, vocab_size=512, num_layers=4, dflash=None)
+    variant = dataclasses.replace(get_package(package).variant, vocab_size=512, num_layers=4)
     view = random_model_view(variant, seed=0, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fla-core is not installed: prefill would keep the reference
@@ -285,7 +285,7 @@ def _record_mtp(fast: ModuleType, package: str, rows: int, tokens: int) -> sched
     from ninfer.targets.qwen3_6.model import StateStore, mtp_forward
     from ninfer.targets.registry import get_package
 
-    variant = dataclasses.replace(get_package(package).variant, vocab_size=512, num_layers=4, dflash=None)
+    variant = dataclasses.replace(get_package(package).variant, vocab_size=512, num_layers=4)
     assert variant.mtp_num_hidden_layers
     view = random_model_view(variant, seed=0, dtype=torch.float32)
     with warnings.catch_warnings():

@@ -67,7 +67,8 @@ def weight_bytes(v: Variant, drafter: str | None) -> int:
 
 
 def cuda_plan(name: str, total: int, fraction: float = 0.9, **config: object) -> MemoryPlan:
-    v = PACKAGES[name].variant
+    package = PACKAGES[name]  # with its drafter where dflash:K drafts (an artifact converted with one)
+    v = (package.with_drafter() if str(config.get("speculative")).startswith("dflash:") else package).variant
     engine = EngineConfig(gpu_memory_fraction=fraction, **config)  # type: ignore[arg-type]
     backend = decode_backend(engine, True, v)  # CUDA: the decode lookahead is on
     spec = engine.speculative
@@ -202,9 +203,8 @@ def test_dflash_reserves_its_block_its_states_and_its_layers() -> None:
     )
     assert plan.max_context == POSITIONS
     # the drafter's weights: 1.73 B parameters, 3.46 GB in bf16 (the published drafter's size)
-    assert weight_bytes(PACKAGES["qwen3_6_27b"].variant, "dflash") - weight_bytes(
-        PACKAGES["qwen3_6_27b"].variant, None
-    ) == 2 * (
+    full = PACKAGES["qwen3_6_27b"].with_drafter().variant
+    assert weight_bytes(full, "dflash") - weight_bytes(full, None) == 2 * (
         5 * (2 * 5120 * 4096 + 2 * 5120 * 1024 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128)
         + 5120 * 25600
         + 2 * 5120

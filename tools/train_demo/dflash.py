@@ -69,7 +69,7 @@ def text_sequences(count: int, tokens: int, seed: int) -> list[list[int]]:
 def full_view(trained: dict[str, torch.Tensor] | None = None, seed: int = SEED) -> ModelView:
     """The demo package's view with a drafter: the bundled text model, the drafter ``trained`` (or newly
     initialised) in fp32."""
-    package = get_package("qwen3_6_demo")
+    package = get_package("qwen3_6_demo").with_drafter()
     _, bundled = load_model_view(bundled_artifact(), "cpu", torch.float32)
     tensors = dict(bundled.tensors)
     generator = torch.Generator()
@@ -189,7 +189,7 @@ def train(
 
 def write_artifact(view: ModelView, out: Path, storage: str = "bf16") -> Path:
     """The bundled demo artifact's tensors and resources with the drafter ``view`` holds."""
-    package = get_package("qwen3_6_demo")
+    package = get_package("qwen3_6_demo").with_drafter()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[storage]
     with Artifact.open(bundled_artifact()) as bundled:
         frontend = {name: bundled.frontend_resource(name) for name in bundled.frontend_names()}

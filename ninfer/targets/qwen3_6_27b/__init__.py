@@ -33,7 +33,6 @@ VARIANT = Variant(
     linear_value_head_dim=128,
     intermediate_size=17408,
     vision=VisionDims(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=5120),
-    dflash=DFLASH,
 )
 
-PACKAGE = Package(name="qwen3_6_27b", variant=VARIANT, description="Qwen3.6-27B (dense)")
+PACKAGE = Package(name="qwen3_6_27b", variant=VARIANT, description="Qwen3.6-27B (dense)", drafter=DFLASH)

@@ -43,25 +43,27 @@ VARIANT = Variant(
     max_position_embeddings=8192,
     tie_word_embeddings=True,
     mtp_num_hidden_layers=1,
-    # a two-layer DFlash drafter (tools/train_demo/dflash.py trains it; not in the bundled artifact)
-    dflash=DFlashDims(
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=1,
-        head_dim=64,
-        intermediate_size=512,
-        layer_types=("sliding_attention", "full_attention"),
-        target_layer_ids=(1, 3, 5),
-        mask_token_id=FIRST_SPECIAL_ID + 26,  # <|audio_start|>, the Qwen3.6 drafters' mask (248070)
-        block_size=16,
-        sliding_window=256,
-    ),
     vision=None,
     special=SPECIAL,
+)
+
+# a two-layer DFlash drafter (tools/train_demo/dflash.py trains it; not in the bundled artifact)
+DRAFTER = DFlashDims(
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=1,
+    head_dim=64,
+    intermediate_size=512,
+    layer_types=("sliding_attention", "full_attention"),
+    target_layer_ids=(1, 3, 5),
+    mask_token_id=FIRST_SPECIAL_ID + 26,  # <|audio_start|>, the Qwen3.6 drafters' mask (248070)
+    block_size=16,
+    sliding_window=256,
 )
 
 PACKAGE = Package(
     name="qwen3_6_demo",
     variant=VARIANT,
     description="bundled demo model (~11M params, trained on Python stdlib source; tools/train_demo)",
+    drafter=DRAFTER,
 )

@@ -26,19 +26,26 @@ VARIANT = Variant(
         out_hidden_size=64,
         num_position_embeddings=16,
     ),
-    # a two-layer drafter (one sliding-window layer of 16 positions, one full), block 16
-    dflash=DFlashDims(
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        layer_types=("sliding_attention", "full_attention"),
-        target_layer_ids=(1, 5),
-        mask_token_id=248070,
-        block_size=16,
-        sliding_window=16,
-    ),
 )
 
-PACKAGE = Package(name="qwen3_6_tiny", variant=VARIANT, description="tiny dense test package", test_only=True)
+# a two-layer drafter (one sliding-window layer of 16 positions, one full), block 16
+DRAFTER = DFlashDims(
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    layer_types=("sliding_attention", "full_attention"),
+    target_layer_ids=(1, 5),
+    mask_token_id=248070,
+    block_size=16,
+    sliding_window=16,
+)
+
+PACKAGE = Package(
+    name="qwen3_6_tiny",
+    variant=VARIANT,
+    description="tiny dense test package",
+    test_only=True,
+    drafter=DRAFTER,
+)

@@ -65,6 +65,7 @@ def convert(
     pkg = resolve_package(ckpt, package)
     if dflash_dir is not None:
         merge_drafter(ckpt, read_checkpoint(dflash_dir), pkg)
+        pkg = pkg.with_drafter()
     frontend = read_frontend(ckpt)
     check_tokenizer(frontend["tokenizer.json"], pkg, str(ckpt.path("tokenizer.json")))
     plan = build_plan(ckpt, pkg, dtype)
@@ -104,23 +105,17 @@ def convert(
             writer.write_tensor(recipe.spec.name, tensor)
             bar.update(recipe.nbytes)
         writer.close()
-    off = _reported(plan.features_off)
+    off = plan.features_off
     if off:
         print(f"convert {pkg.name}: {features_off_line(off)}", file=sys.stderr)
     return out
-
-
-def _reported(off: dict[str, str]) -> dict[str, str]:
-    """The features a checkpoint converts without, less the drafter: it never comes with the target's
-    checkpoint, so its absence says nothing about the checkpoint (nor changes the artifact's bytes)."""
-    return {f: why for f, why in off.items() if f != "dflash"}
 
 
 def merge_drafter(ckpt: HFCheckpoint, drafter: HFCheckpoint, package: Package) -> None:
     """Add ``drafter``'s tensors to ``ckpt`` as ``dflash.*`` (read from the drafter's own files), or
     ConvertError naming what differs from the package's registered drafter."""
     config_path = drafter.path("config.json")
-    registered = package.variant.dflash
+    registered = package.drafter
     if registered is None:
         raise ConvertError(f"{config_path}: package {package.name!r} has no registered DFlash drafter")
     try:
@@ -179,7 +174,7 @@ def resolve_package(ckpt: HFCheckpoint, name: str | None) -> Package:
 def provenance(ckpt: HFCheckpoint, plan: Plan, *, dtype: str | None, package: str | None) -> dict[str, Any]:
     """What made this artifact: no time, no absolute paths, so the same input gives the same bytes."""
     cfg = ckpt.config
-    off = _reported(plan.features_off)
+    off = plan.features_off
     features = {"features_off": off} if off else {}
     return {
         **features,  # (absent for a complete checkpoint: its artifact's bytes do not change)

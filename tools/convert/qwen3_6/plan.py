@@ -92,7 +92,7 @@ def canonical_name(key: str) -> str | None:
 
 
 # canonical-name prefix of each optional feature's tensors
-_FEATURE_PREFIX: dict[str, str] = {"vision": "visual.", "mtp": "mtp.", "dflash": "dflash."}
+_FEATURE_PREFIX: dict[str, str] = {"vision": "visual.", "mtp": "mtp."}
 
 
 def features_off(ckpt: HFCheckpoint, package: Package) -> dict[str, str]:
@@ -112,8 +112,6 @@ def features_off(ckpt: HFCheckpoint, package: Package) -> dict[str, str]:
         "mtp": "no MTP layer (config.json: mtp_num_hidden_layers is 0 or absent)",
     }
     off: dict[str, str] = {}
-    if package.has_dflash and not present["dflash"]:  # a drafter comes from its own checkpoint
-        off["dflash"] = "no DFlash drafter (convert with --dflash DRAFTER_DIR)"
     for feature, has in (("vision", package.has_vision), ("mtp", package.has_mtp)):
         if not has:
             continue
