@@ -83,40 +83,45 @@ def default_decode_gap_ms(kernels: str) -> float:
 
 
 MAX_DRAFT_TOKENS = 8
+MAX_DFLASH_DRAFT_TOKENS = 15  # a DFlash block of 16 positions: the anchor and 15 drafts
 
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
     """A speculative decoding backend, fixed at start (`parse_speculative`).
 
-    ``method``: ``mtp`` (the checkpoint's multi-token-prediction head) or ``known`` (a benchmark backend:
-    drafts whose acceptance is scripted to ``mean_accepted`` tokens per row per verify, through the real
-    verify and commit path; its output is not the model's). ``draft_tokens``: K drafts per verify (a
-    verify step runs K + 1 tokens per row).
+    ``method``: ``mtp`` (the checkpoint's multi-token-prediction head), ``dflash`` (the package's DFlash
+    block drafter, its weights converted into the artifact) or ``known`` (a benchmark backend: drafts
+    whose acceptance is scripted to ``mean_accepted`` tokens per row per verify, through the real verify
+    and commit path; its output is not the model's). ``draft_tokens``: K drafts per verify (a verify
+    step runs K + 1 tokens per row).
     """
 
-    method: Literal["mtp", "known"]
+    method: Literal["mtp", "dflash", "known"]
     draft_tokens: int
     mean_accepted: float | None = None  # known only: mean tokens a row produces per verify (1..K+1)
 
 
 def parse_speculative(text: str | None) -> SpeculativeSpec | None:
-    """``None``, ``mtp:K`` or ``known:K@TAU`` -> a `SpeculativeSpec`; ValueError names what is wrong."""
+    """``None``, ``mtp:K``, ``dflash:K`` or ``known:K@TAU`` -> a `SpeculativeSpec`; ValueError names what
+    is wrong."""
     if text is None:
         return None
     method, _, rest = text.partition(":")
     count, _, tau = rest.partition("@")
-    if method not in ("mtp", "known") or not count.isdigit():
+    if method not in ("mtp", "dflash", "known") or not count.isdigit():
         raise ValueError(
-            f"speculative must be 'mtp:K' (K = 1..{MAX_DRAFT_TOKENS}) or 'known:K@TAU', got {text!r}"
+            f"speculative must be 'mtp:K' (K = 1..{MAX_DRAFT_TOKENS}), 'dflash:K' (K = "
+            f"1..{MAX_DFLASH_DRAFT_TOKENS}) or 'known:K@TAU', got {text!r}"
         )
     k = int(count)
-    if not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"speculative draft tokens K must be 1..{MAX_DRAFT_TOKENS}, got {k}")
-    if method == "mtp":
+    limit = MAX_DFLASH_DRAFT_TOKENS if method == "dflash" else MAX_DRAFT_TOKENS
+    if not 1 <= k <= limit:
+        raise ValueError(f"speculative draft tokens K must be 1..{limit}, got {k}")
+    if method in ("mtp", "dflash"):
         if tau:
-            raise ValueError(f"mtp takes no mean accepted length (it is the model's), got {text!r}")
-        return SpeculativeSpec("mtp", k)
+            raise ValueError(f"{method} takes no mean accepted length (it is the model's), got {text!r}")
+        return SpeculativeSpec(method, k)
     try:
         mean = float(tau)
     except ValueError:
@@ -159,13 +164,14 @@ class EngineConfig:
       and, when a row ends unforeseen (a stop token), one discarded step. ``None``: on for CUDA.
     - ``kernels``: the op implementations: ``auto`` (fast Triton/fla-core ops on CUDA, the reference
       ops elsewhere), ``reference`` (plain PyTorch everywhere: the oracle) or ``fast`` (CUDA only).
-    - ``speculative``: the decode backend: ``None`` (plain decoding), ``mtp:K`` or the benchmark backend
-      ``known:K@TAU`` (`parse_speculative`); fixed for the Engine's life.
-    - ``draft_vocab``: ``mtp:K`` only: the draft head scores only the first ``draft_vocab`` token ids (a
-      byte-level BPE vocabulary lists its tokens in merge order, frequent ones first), so a draft step
-      reads that slice of ``lm_head`` instead of all of it (2.5 GB on the 27B). Still lossless: the
-      verify scores the whole vocabulary, so a draft outside the slice is only never proposed. ``None``:
-      the whole vocabulary.
+    - ``speculative``: the decode backend: ``None`` (plain decoding), ``mtp:K``, ``dflash:K`` (an artifact
+      converted with a DFlash drafter, `ninfer convert --dflash`) or the benchmark backend ``known:K@TAU``
+      (`parse_speculative`); fixed for the Engine's life.
+    - ``draft_vocab``: ``mtp:K`` and ``dflash:K`` only: the draft head scores only the first
+      ``draft_vocab`` token ids (a byte-level BPE vocabulary lists its tokens in merge order, frequent
+      ones first), so a draft step reads that slice of ``lm_head`` instead of all of it (2.5 GB on the
+      27B). Still lossless: the verify scores the whole vocabulary, so a draft outside the slice is only
+      never proposed. ``None``: the whole vocabulary.
     - ``max_image_tokens``: image pad tokens one request may carry (a 1024 x 1024 image is 1,024); the
       vision tower's working memory is reserved for this many at start, a larger request is rejected.
     - ``vision_graph_sizes``: with ``cuda_graphs``, image sizes (width, height in pixels, as sent) whose
@@ -239,8 +245,10 @@ class EngineConfig:
         if self.draft_vocab is not None:
             if self.draft_vocab < 1:
                 raise ValueError(f"draft_vocab must be >= 1 or None, got {self.draft_vocab}")
-            if spec is None or spec.method != "mtp":
-                raise ValueError(f"draft_vocab needs speculative 'mtp:K', got {self.speculative!r}")
+            if spec is None or spec.method not in ("mtp", "dflash"):
+                raise ValueError(
+                    f"draft_vocab needs speculative 'mtp:K' or 'dflash:K', got {self.speculative!r}"
+                )
         if self.max_image_tokens < 0:
             raise ValueError(f"max_image_tokens must be >= 0, got {self.max_image_tokens}")
         for size in self.vision_graph_sizes:

@@ -21,5 +21,12 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dflash_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dense package's artifact with its registered DFlash drafter's weights too."""
+    path = tmp_path_factory.mktemp("art") / "qwen3_6_tiny_dflash.ninfer"
+    return write_tiny_artifact("qwen3_6_tiny", path, drafter=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_artifact("qwen3_6_tiny_moe", tmp_path_factory.mktemp("art") / "qwen3_6_tiny_moe.ninfer")

@@ -7,6 +7,7 @@ are the real Qwen3.6 tokenizer and chat template from ninfer/targets/qwen3_6/res
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -24,14 +25,27 @@ SEED = 20261129
 
 
 @functools.cache
-def tiny_view(package_name: str) -> ModelView:
-    variant = PACKAGES[package_name].variant
+def tiny_view(package_name: str, drafter: bool = False) -> ModelView:
+    """fp32 CPU random weights of a tiny package; ``drafter``: with its registered DFlash drafter's (the
+    other tensors are the same: each draws from its own (seed, name) stream)."""
+    package = PACKAGES[package_name]
+    variant = (package.with_drafter() if drafter else package).variant
     return random_model_view(variant, seed=SEED, dtype=torch.float32, device="cpu")
 
 
-def write_tiny_artifact(package_name: str, path: Path) -> Path:
-    package = PACKAGES[package_name]
-    tensors = tiny_view(package_name).tensors
+def with_drafter(view: ModelView, package_name: str) -> ModelView:
+    """``view`` (the package's weights, its bound parts perhaps edited: `dataclasses.replace` leaves
+    ``tensors`` as they were) plus `tiny_view`'s drafter weights."""
+    full = tiny_view(package_name, drafter=True)
+    drafter = {name: t for name, t in full.tensors.items() if name.startswith("dflash.")}
+    return dataclasses.replace(
+        view, variant=full.variant, dflash=full.dflash, tensors={**view.tensors, **drafter}
+    )
+
+
+def write_tiny_artifact(package_name: str, path: Path, drafter: bool = False) -> Path:
+    package = PACKAGES[package_name].with_drafter() if drafter else PACKAGES[package_name]
+    tensors = tiny_view(package_name, drafter).tensors
     specs = [TensorSpec(s.name, tensors[s.name].dtype, s.shape) for s in weight_schema(package.variant)]
     frontend = frontend_resources(package)  # the real tokenizer and template, Qwen3.6's sampling defaults
     with ArtifactWriter(

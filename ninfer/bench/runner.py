@@ -147,9 +147,10 @@ def options_package(options: BenchOptions) -> tuple[Package, torch.dtype]:
 
 
 def probe_and_start(
-    options: BenchOptions, config: EngineConfig, log: Callable[[str], None]
+    options: BenchOptions, config: EngineConfig, log: Callable[[str], None], *, drafter: bool = False
 ) -> tuple[DeviceProbe, StartedEngine]:
-    """The device probes (before the model takes the memory), then the Engine under test."""
+    """The device probes (before the model takes the memory), then the Engine under test; ``drafter``:
+    synthetic weights include the package's DFlash drafter."""
     package, storage = options_package(options)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, storage, device)
@@ -159,7 +160,7 @@ def probe_and_start(
     )
     log("starting the Engine" + (f" with synthetic {package.name} weights" if options.synthetic else ""))
     started = (
-        start_synthetic(package.name, config, seed=options.seed)
+        start_synthetic(package.name, config, seed=options.seed, drafter=drafter)
         if options.synthetic is not None
         else start_from_artifact(options.artifact or "", config)
     )
@@ -213,6 +214,8 @@ def run_bench_sweep(
         raise ValueError("the sweep needs at least one decode backend")
     package, _ = options_package(options)
     runs = [backend_options(options, b) for b in backends]
+    # synthetic weights hold the drafter only where a backend drafts with it (the 27B's is 3.5 GB)
+    drafter = any(b is not None and b.startswith("dflash:") for b in backends)
     for run in runs:
         check_fits(run.plan, package.variant)
     positions = package.variant.max_position_embeddings
@@ -225,7 +228,7 @@ def run_bench_sweep(
             long_plan = LongContextPlan.build(plan, positions) if plan.contexts else None
             config = engine_config(run, long_plan)
             if started is None:
-                probe, started = probe_and_start(run, config, log)
+                probe, started = probe_and_start(run, config, log, drafter=drafter)
             else:
                 log(f"restarting the Engine with speculative={run.speculative}")
                 started = restart(started, config)

@@ -99,10 +99,17 @@ def sizing_frontend(artifact: str | None, package: Package) -> Frontend:
     return synthetic_frontend(package)
 
 
-def start_synthetic(package_name: str, config: EngineConfig, *, seed: int) -> StartedEngine:
+def start_synthetic(
+    package_name: str, config: EngineConfig, *, seed: int, drafter: bool = False
+) -> StartedEngine:
+    """An Engine over random weights of ``package_name``; with its registered DFlash drafter's too (as an
+    artifact converted with ``--dflash`` holds them) where ``config`` drafts with it or ``drafter`` says
+    so (a sweep whose later Engines do)."""
     from ninfer.targets.qwen3_6.binder import random_model_view
 
     package = get_package(package_name)
+    if drafter or (config.speculative or "").startswith("dflash:"):
+        package = package.with_drafter()
     variant = package.variant
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, SYNTHETIC_STORAGE, device)

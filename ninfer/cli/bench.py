@@ -145,8 +145,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC[,SPEC...]",
         type=speculative_list,
         default=None,
-        help="decode backend: mtp:K, or known:K@TAU (a benchmark backend: K drafts a verify, TAU tokens "
-        "accepted per row on average, through the real verify and commit; output text is meaningless); "
+        help="decode backend: mtp:K, dflash:K, or known:K@TAU (a benchmark backend: K drafts a verify, "
+        "TAU tokens accepted per row on average, through the real verify and commit; output text is "
+        "meaningless); "
         "several, comma-separated (off: plain decoding), run the standard suite once each over one set "
         "of weights, e.g. off,mtp:1,mtp:3",
     )
@@ -155,7 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="with --speculative mtp:K: the draft head scores only the first N token ids "
+        help="with --speculative mtp:K or dflash:K: the draft head scores only the first N token ids "
         "(EngineConfig.draft_vocab; default: the whole vocabulary)",
     )
     p.add_argument(

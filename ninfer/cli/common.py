@@ -194,17 +194,18 @@ def add_reuse_flags(p: argparse.ArgumentParser) -> None:
         "--speculative",
         type=speculative_method,
         default=None,
-        metavar="mtp:K",
-        help="speculative decoding with the model's MTP head, K = 1..8 drafts per verify (default off; "
-        "the output is the same as without)",
+        metavar="mtp:K|dflash:K",
+        help="speculative decoding with the model's MTP head (mtp:K, K = 1..8 drafts per verify) or its "
+        "DFlash drafter (dflash:K, K = 1..15; an artifact converted with --dflash); default off, the "
+        "output is the same as without",
     )
     p.add_argument(
         "--draft-vocab",
         type=positive_int,
         default=None,
         metavar="N",
-        help="with --speculative mtp:K, the draft head scores only the first N token ids (the frequent "
-        "ones), reading that slice of lm_head per draft; lossless (default: the whole vocabulary)",
+        help="with --speculative mtp:K or dflash:K, the draft head scores only the first N token ids (the "
+        "frequent ones), reading that slice of lm_head per draft; lossless (default: the whole vocabulary)",
     )
 
 
@@ -244,14 +245,15 @@ def positive_int(text: str) -> int:
 
 
 def speculative_method(text: str) -> str:
-    """``mtp:K`` checked by the Engine's own parser; the benchmark backend ``known:K@TAU`` (whose output
-    is scripted, not the model's) belongs to `ninfer bench` only."""
-    from ninfer.types import MAX_DRAFT_TOKENS, parse_speculative
+    """``mtp:K`` or ``dflash:K`` checked by the Engine's own parser; the benchmark backend ``known:K@TAU``
+    (whose output is scripted, not the model's) belongs to `ninfer bench` only."""
+    from ninfer.types import MAX_DFLASH_DRAFT_TOKENS, MAX_DRAFT_TOKENS, parse_speculative
 
     method, _, count = text.partition(":")
-    if method != "mtp" or not count.isdigit():
+    if method not in ("mtp", "dflash") or not count.isdigit():
         raise argparse.ArgumentTypeError(
-            f"expected mtp:K (K = 1..{MAX_DRAFT_TOKENS} draft tokens per verify), got {text!r}"
+            f"expected mtp:K (K = 1..{MAX_DRAFT_TOKENS} draft tokens per verify) or dflash:K (K = "
+            f"1..{MAX_DFLASH_DRAFT_TOKENS}), got {text!r}"
             + ("; known:K@TAU is a benchmark backend (ninfer bench)" if text.startswith("known:") else "")
         )
     try:
@@ -276,8 +278,9 @@ def reuse_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def speculative_problem(artifact_path: str, speculative: str | None) -> str | None:
     """Why ``speculative`` cannot run on the artifact's package, from its header alone (before any
-    weight is read): ``mtp:K`` needs a package with an MTP layer. None when it can (or when the header
-    cannot be read: opening the Engine then reports that)."""
+    weight is read): ``mtp:K`` needs a package with an MTP layer, ``dflash:K`` an artifact with the
+    package's DFlash drafter. None when it can (or when the header cannot be read: opening the Engine
+    then reports that)."""
     if speculative is None:
         return None
     from ninfer.artifact import Artifact, ArtifactError
@@ -288,6 +291,10 @@ def speculative_problem(artifact_path: str, speculative: str | None) -> str | No
             package = check_identity(artifact)
     except (ArtifactError, OSError, ValueError):
         return None
+    if speculative.startswith("dflash:"):
+        if package.has_dflash:
+            return None
+        return f"--speculative {speculative}: {package.missing_feature('dflash')}; drop --speculative"
     if "mtp" in package.features_off:  # a registered package's artifact converted without them
         return f"--speculative {speculative}: {package.missing_feature('mtp')}; drop --speculative"
     if not package.has_mtp:

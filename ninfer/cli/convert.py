@@ -1,4 +1,4 @@
-"""`ninfer convert HF_DIR -o OUT.ninfer [--dtype bf16|fp16|fp32] [--package NAME]`."""
+"""`ninfer convert HF_DIR -o OUT.ninfer [--dtype bf16|fp16|fp32] [--package NAME] [--dflash DIR]`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--package", metavar="NAME", default=None, help="force a registered package (dims must match)"
     )
+    p.add_argument(
+        "--dflash", metavar="DRAFTER_DIR", default=None,
+        help="a DFlash drafter checkpoint folder (z-lab's DFlashDraftModel) to store with the model, for "
+        "--speculative dflash:K",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -37,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = convert(
-            args.hf_dir, args.output, dtype=args.dtype, package=args.package, progress=not args.no_progress
-        )
+            args.hf_dir, args.output, dtype=args.dtype, package=args.package, dflash_dir=args.dflash,
+            progress=not args.no_progress,
+        )  # fmt: skip
     except (ConvertError, ArtifactError, OSError) as e:
         print(f"ninfer convert: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1

@@ -1,9 +1,9 @@
 """`ninfer inspect FILE [--verify] [--json]`: what a `.ninfer` file holds and whether it binds.
 
 Prints identity, the registered package it binds to (or why not), its optional features (vision
-tower, MTP layer: off, with the reason, for an artifact converted without their weights), key dims,
-tensor count and bytes (total and per text/mtp/vision group), per-dtype counts, frontend resources
-and provenance.
+tower, MTP layer, DFlash drafter: off, with the reason, for an artifact converted without their
+weights), key dims, tensor count and bytes (total and per text/mtp/vision/dflash group), per-dtype
+counts, frontend resources and provenance.
 ``--verify`` also reads every byte against its checksum (progress bar on stderr) and requires the
 identity to bind; any failure exits 1 with a one-line message on stderr.
 """
@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 def _group(name: str) -> str:
     if name.startswith("mtp."):
         return "mtp"
+    if name.startswith("dflash."):
+        return "dflash"
     if name.startswith("visual."):
         return "vision"
     return "text"
@@ -79,7 +81,9 @@ def _report(artifact: Any) -> dict[str, Any]:
     except IdentityMismatchError as e:
         package["error"] = e.detail
 
-    groups: dict[str, dict[str, int]] = {g: {"count": 0, "bytes": 0} for g in ("text", "mtp", "vision")}
+    groups: dict[str, dict[str, int]] = {
+        g: {"count": 0, "bytes": 0} for g in ("text", "mtp", "vision", "dflash")
+    }
     dtypes: dict[str, dict[str, int]] = {}
     for d in artifact.descriptors():
         g = groups[_group(d.name)]
@@ -118,6 +122,7 @@ def _features(pkg: Any, provenance: dict[str, Any]) -> dict[str, Any]:
     return {
         "vision": pkg.has_vision,
         "mtp": pkg.has_mtp,
+        "dflash": pkg.has_dflash,
         "off": {
             f: f"{reasons.get(f, f'no {FEATURE_WEIGHTS[f]}')}: {FEATURE_REFUSES[f]}" for f in pkg.features_off
         },
@@ -160,7 +165,8 @@ def _print_text(r: dict[str, Any]) -> None:
         print(f"package     {pkg['name']}: {pkg['description']} (registered, {match})")
         print(
             f"features    vision {'yes' if features['vision'] else 'no'}, "
-            f"MTP {'yes' if features['mtp'] else 'no'}"
+            f"MTP {'yes' if features['mtp'] else 'no'}, "
+            f"DFlash drafter {'yes' if features['dflash'] else 'no'}"
         )
         for why in features["off"].values():
             print(f"  off       {why}")

@@ -40,6 +40,7 @@ __all__ = [
     "causal_attention",
     "kv_write",
     "paged_attention",
+    "paged_block_attention",
     "gated_attention_output",
     "paged_decode_attention",
     "AttentionHeads",
@@ -138,6 +139,52 @@ def paged_attention(
         v_ctx = v_pages[pages].reshape(-1, *v_pages.shape[2:])[:context_len]
         q_positions = torch.arange(context_len - n_queries, context_len, device=q.device)
         out[starts[row] : starts[row + 1]] = _attend(q_row, k_ctx, v_ctx, scale, q_positions)
+    return out
+
+
+def paged_block_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A DFlash drafter's attention: B rows of T queries each (q [B*T, nH, D]), the last T positions of
+    a context of context_lens[r] tokens whose K/V (the queries' own included) are in pages
+    block_table[r]. Without ``causal`` a query sees the whole context, the block's later positions
+    included; with it, keys up to its own position. ``window``: only keys less than ``window`` positions
+    away (before it; and after it, when not causal). fp32 math -> [B*T, nH, D]."""
+    rows = context_lens.shape[0]
+    tokens = q.shape[0] // rows
+    page_size = k_pages.shape[1]
+    out = torch.empty_like(q)
+    lengths = context_lens.tolist()  # host sync: fine for the reference
+    for row, context_len in enumerate(lengths):
+        n_pages = -(-context_len // page_size)
+        pages = block_table[row, :n_pages].long()
+        k = k_pages[pages].reshape(-1, *k_pages.shape[2:])[:context_len]
+        v = v_pages[pages].reshape(-1, *v_pages.shape[2:])[:context_len]
+        q_row = q[row * tokens : (row + 1) * tokens]
+        group = q.shape[1] // k.shape[1]
+        q32 = q_row.float().transpose(0, 1)  # [nH, T, D]
+        k32 = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        v32 = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q32 @ k32.transpose(-1, -2)) * scale  # [nH, T, L]
+        query_pos = torch.arange(context_len - tokens, context_len, device=q.device)[:, None]
+        key_pos = torch.arange(context_len, device=q.device)[None, :]
+        visible = torch.ones(tokens, context_len, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= key_pos <= query_pos
+        if window is not None:
+            visible &= query_pos - key_pos < window
+            if not causal:
+                visible &= key_pos - query_pos < window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[row * tokens : (row + 1) * tokens] = (torch.softmax(scores, -1) @ v32).transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "gated_rms_norm",
+    "plain_rms_norm",
     "l2norm",
     "fast_rms_norm",
     "fast_add_rms_norm",
@@ -49,6 +50,12 @@ def add_rms_norm(
     """(rms_norm(residual + x), residual + x): the residual add in the model dtype, then the norm."""
     summed = residual + x
     return rms_norm(summed, weight, eps), summed
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain-weight RMSNorm (HF `Qwen3RMSNorm`, a DFlash drafter's): y = w * (x / rms(x)), the normalised
+    value cast to x's dtype before the weight multiplies it (HF's rounding order)."""
+    return weight.to(x.dtype) * _rms_normalize_fp32(x, eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:

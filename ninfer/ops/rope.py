@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["mrope_inv_freq", "mrope_cos_sin", "apply_partial_rope", "vision_qkv_rotary"]
+__all__ = ["mrope_inv_freq", "mrope_cos_sin", "rope_cos_sin", "apply_partial_rope", "vision_qkv_rotary"]
 
 
 _CONSTANTS: dict[tuple[object, ...], torch.Tensor] = {}
@@ -77,6 +77,14 @@ def mrope_cos_sin(
     axis = _axis_of_frequency(half, mrope_section, positions.device)
     # angle[n, j] = angles_per_axis[axis[j], n, j]
     angle = angles_per_axis.gather(0, axis.view(1, 1, half).expand(1, positions.shape[1], half))[0]
+    emb = torch.cat((angle, angle), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [N, dim] fp32 of plain 1-D RoPE over the whole head (HF `Qwen3RotaryEmbedding`,
+    default type) for positions [N]: `apply_partial_rope` with these rotates every dim."""
+    angle = positions.float()[:, None] * mrope_inv_freq(dim, theta, positions.device)
     emb = torch.cat((angle, angle), dim=-1)
     return emb.cos(), emb.sin()
 

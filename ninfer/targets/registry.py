@@ -57,7 +57,7 @@ def package_for_hf_config(cfg: dict[str, Any]) -> Package:
         raise PackageMismatch(f"config.json: {e}") from None
     candidates = [p for p in PACKAGES.values() if p.hf_model_type.startswith(base_type.split("_moe")[0])]
     for p in candidates:  # a text-only config (no vision_config, or no MTP layer) still names its package
-        if p.features_off_in(_with_defaults(variant, p)) is not None:
+        if p.bound_by(_with_defaults(variant, p)) is not None:
             return p
 
     def diffs_to(p: Package) -> list[str]:  # ignoring the features the config leaves out
@@ -79,16 +79,18 @@ def package_for_hf_config(cfg: dict[str, Any]) -> Package:
 def check_dims(package: Package, dims: dict[str, Any], source: str) -> Package:
     """The package that stored dims bind: ``package`` itself when they are exactly its dims, or
     ``package.without(...)`` when they are its dims less optional features (no vision tower, no MTP
-    layer: an artifact converted from a checkpoint without those weights). Refuses anything else."""
+    layer: an artifact converted from a checkpoint without those weights), with the registered drafter
+    where they carry one. Refuses anything else."""
     try:
         stored = Variant.from_dims(dims)
     except (TypeError, ValueError, KeyError) as e:
         raise PackageMismatch(f"{source}: dims are not readable as {package.name!r} dims: {e}") from None
-    off = package.features_off_in(stored)
-    if off is None:
-        diffs = package.variant.diff(stored)
+    bound = package.bound_by(stored)
+    if bound is None:
+        full = package.with_drafter() if stored.dflash and package.drafter else package
+        diffs = full.variant.diff(stored)
         raise PackageMismatch(f"{source}: dims do not match package {package.name!r}: " + "; ".join(diffs))
-    return package.without(off) if off else package
+    return bound
 
 
 def _with_defaults(v: Variant, p: Package) -> Variant:

@@ -75,7 +75,7 @@ def test_json_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         "name": "qwen3_6_tiny",
         "description": TINY.description,
         "error": None,
-        "features": {"vision": True, "mtp": True, "off": {}},
+        "features": {"vision": True, "mtp": True, "dflash": False, "off": {}},
     }
     assert report["dims"] == TINY.variant.dims()
     assert report["tensors"]["count"] == 5

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "model"))
 
 from qwen3_6_model_harness import tiny_view  # noqa: E402
+from tiny_artifacts import with_drafter  # noqa: E402
 from vision_oracle import SMALL_CONFIG, frontend  # noqa: E402
 
 from ninfer import EngineConfig, GenerationRequest, GenerationResult  # noqa: E402
@@ -28,7 +29,6 @@ from ninfer.runtime.engine.engine import Engine  # noqa: E402
 from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft  # noqa: E402
 from ninfer.targets.qwen3_6.impl.runtime.program import ProgramConfig, Qwen36Program  # noqa: E402
 from ninfer.targets.qwen3_6.view import ModelView  # noqa: E402
-from ninfer.targets.registry import PACKAGES  # noqa: E402
 
 PACKAGE_NAMES = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
 MAX_CONTEXT = 1024
@@ -84,6 +84,8 @@ def build_engine(
     capture_interval: int = 128,
     start_worker: bool = True,
     draft_tokens: int = 0,
+    backend: Any = None,
+    drafter: bool = False,
     clock: Any = None,
     **config_fields: Any,
 ) -> Engine:
@@ -91,20 +93,25 @@ def build_engine(
     ``view``) with room for ``checkpoint_slots`` checkpoints (``kv_pages`` defaults to the lanes' own
     pages plus as many again) and a host tier of ``host_slots`` slots and ``host_pages`` pages.
     ``start_worker=False``: no worker thread, the caller steps the core.
-    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``clock``: the
+    ``draft_tokens``: decode with the MTP backend drafting that many tokens a round; ``backend``: decode
+    with this backend instead; ``drafter``: the view also holds the package's DFlash drafter weights
+    (`tiny_artifacts.with_drafter`); ``clock``: the
     Engine's clock; ``config_fields``: more EngineConfig fields."""
-    variant = PACKAGES[name].variant
+    if view is None:
+        view = stopping_view(name, thinking)
+    if drafter:
+        view = with_drafter(view, name)
     lane_pages = MAX_CONTEXT // PAGE_SIZE * max_concurrency
     program = Qwen36Program(
-        variant,
-        view if view is not None else stopping_view(name, thinking),
+        view.variant,
+        view,
         ProgramConfig(
             max_concurrency=max_concurrency, max_context=MAX_CONTEXT, page_size=PAGE_SIZE,
             kv_pages=kv_pages if kv_pages is not None else 2 * lane_pages, device=torch.device("cpu"),
             dtype=torch.float32, checkpoint_slots=checkpoint_slots if prefix_cache else 0,
             host_checkpoint_slots=host_slots, host_kv_pages=host_pages,
         ),
-        backend=MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None,
+        backend=backend or (MtpDraft(draft_tokens=draft_tokens, layers=1) if draft_tokens else None),
     )  # fmt: skip
     config = EngineConfig(
         max_concurrency=max_concurrency, device="cpu", dtype="float32", max_context=MAX_CONTEXT,

@@ -7,6 +7,7 @@ holding exactly the weights written into the `tiny_artifact` / `tiny_moe_artifac
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -95,3 +96,27 @@ def _fixture_tokenizer() -> Tokenizer:
 def fixture_tokenizer_ids(text: str) -> list[int]:
     """The real Qwen3.6 tokenizer (ninfer/targets/qwen3_6/resources) on raw text, no special tokens added."""
     return _fixture_tokenizer().encode(text, add_special_tokens=False).ids
+
+
+def homogeneity_p(a: list, b: list) -> float:
+    """p-value of a chi-square test that two samples come from one distribution (rare cells pooled)."""
+    ca, cb = Counter(a), Counter(b)
+    cells = sorted(set(ca) | set(cb), key=lambda x: -(ca[x] + cb[x]))
+    big = [c for c in cells if ca[c] + cb[c] >= 10]
+    rows = [(ca[c], cb[c]) for c in big]
+    rest = (sum(ca[c] for c in cells if c not in big), sum(cb[c] for c in cells if c not in big))
+    if sum(rest):
+        rows.append(rest)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in rows:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(rows) - 1
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )

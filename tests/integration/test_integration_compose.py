@@ -1,6 +1,7 @@
 """The three features in one conversation: a chat whose turns carry images, run with the context cache
-and MTP drafting together at ``max_concurrency`` 4, gives each turn the tokens and log-probs of the same
-prompt run cold (cache off) with plain decoding, and reuses its earlier turns past the images."""
+and speculative drafting (MTP, and DFlash) together at ``max_concurrency`` 4, gives each turn the tokens
+and log-probs of the same prompt run cold (cache off) with plain decoding, and reuses its earlier turns
+past the images."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from vision_oracle import SMALL_CONFIG, frontend, png
 from ninfer import GenerationRequest, GenerationResult
 from ninfer.media.decode import decode_image
 from ninfer.runtime.engine.engine import Engine
+from ninfer.targets.qwen3_6.impl.runtime.backends.dflash import DFlashDraft
+from ninfer.targets.registry import PACKAGES
 
 torch.set_num_threads(1)
 
@@ -47,11 +50,18 @@ def _chats(engine: Engine, chats: int) -> list[list[GenerationResult]]:
     return results
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "dflash"])
 @pytest.mark.parametrize("name", PACKAGE_NAMES)
-def test_reuse_mtp_and_images_together_give_the_cold_plain_tokens(name: str) -> None:
+def test_reuse_drafts_and_images_together_give_the_cold_plain_tokens(name: str, drafter: str) -> None:
     with build_engine(name, prefix_cache=False, max_concurrency=4) as engine:
         cold = _chats(engine, 3)
-    with build_engine(name, max_concurrency=4, draft_tokens=2) as engine:
+    dims = PACKAGES[name].drafter
+    speculative = (
+        {"draft_tokens": 2}
+        if drafter == "mtp"
+        else {"backend": DFlashDraft(draft_tokens=3, dims=dims), "drafter": True}
+    )
+    with build_engine(name, max_concurrency=4, **speculative) as engine:  # type: ignore[arg-type]
         warm = _chats(engine, 3)
         stats = engine.cache_stats()
     for got_chat, want_chat in zip(warm, cold):

@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import functools
-from collections import Counter
 
 import pytest
 import torch
 from cache_helpers import SYSTEM, build_engine, tiny_view
-from integration_helpers import random_prompts
+from integration_helpers import homogeneity_p, random_prompts
 
 from ninfer import EngineConfig, GenerationRequest, GenerationResult
 from ninfer.cli.common import bundled_artifact
@@ -225,30 +224,6 @@ def _sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
     return [r.token_ids for r in run_all(engine, requests)]
 
 
-def _homogeneity_p(a: list, b: list) -> float:
-    """p-value of a chi-square test that two samples come from one distribution (rare cells pooled)."""
-    ca, cb = Counter(a), Counter(b)
-    cells = sorted(set(ca) | set(cb), key=lambda x: -(ca[x] + cb[x]))
-    big = [c for c in cells if ca[c] + cb[c] >= 10]
-    rows = [(ca[c], cb[c]) for c in big]
-    rest = (sum(ca[c] for c in cells if c not in big), sum(cb[c] for c in cells if c not in big))
-    if sum(rest):
-        rows.append(rest)
-    na, nb = len(a), len(b)
-    stat = 0.0
-    for x, y in rows:
-        total = x + y
-        for observed, n in ((x, na), (y, nb)):
-            expected = total * n / (na + nb)
-            stat += (observed - expected) ** 2 / expected
-    dof = len(rows) - 1
-    return float(
-        torch.special.gammaincc(
-            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
-        )
-    )
-
-
 class _AcceptEverything(MtpDraft):
     """The negative control: keeps every draft, whatever the target says."""
 
@@ -278,7 +253,7 @@ def test_sampled_mtp_is_distributed_as_plain_sampling() -> None:
         accepted = engine.core.program.backend.accepted  # type: ignore[attr-defined]
     assert accepted > 0
     for position in (1, 2, 3):  # the first token comes from the prefill, the same path for both
-        p = _homogeneity_p([t[position] for t in plain], [t[position] for t in mtp])
+        p = homogeneity_p([t[position] for t in plain], [t[position] for t in mtp])
         assert p > 1e-3, (position, p)
 
 
@@ -286,7 +261,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test() -> None:
     plain = _plain_sampled()
     with _demo_with(_AcceptEverything(draft_tokens=2, layers=1), 8) as engine:
         wrong = _sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
-    worst = min(_homogeneity_p([t[j] for t in plain], [t[j] for t in wrong]) for j in (1, 2, 3))
+    worst = min(homogeneity_p([t[j] for t in plain], [t[j] for t in wrong]) for j in (1, 2, 3))
     assert worst < 1e-6, worst
 
 

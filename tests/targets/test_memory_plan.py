@@ -58,18 +58,21 @@ def gdn_slot_bytes(v: Variant, elem: int = BF16) -> int:
     return gdn_layers * (conv + recurrent)
 
 
-def weight_bytes(v: Variant, mtp: bool) -> int:
-    groups = {"text", "vision"} | ({"mtp"} if mtp else set())
+def weight_bytes(v: Variant, drafter: str | None) -> int:
+    """The weights a Program holds on the device (``drafter``: the group of the speculative one)."""
+    groups = {"text", "vision"} | ({drafter} if drafter else set())
     return sum(
         math.prod(s.shape) * (4 if s.keep_fp32 else BF16) for s in weight_schema(v) if s.group in groups
     )
 
 
 def cuda_plan(name: str, total: int, fraction: float = 0.9, **config: object) -> MemoryPlan:
-    v = PACKAGES[name].variant
+    package = PACKAGES[name]  # with its drafter where dflash:K drafts (an artifact converted with one)
+    v = (package.with_drafter() if str(config.get("speculative")).startswith("dflash:") else package).variant
     engine = EngineConfig(gpu_memory_fraction=fraction, **config)  # type: ignore[arg-type]
     backend = decode_backend(engine, True, v)  # CUDA: the decode lookahead is on
-    held = weight_bytes(v, engine.speculative is not None) + CUDA_CONTEXT
+    spec = engine.speculative
+    held = weight_bytes(v, spec and spec.partition(":")[0]) + CUDA_CONTEXT
     return plan_memory(
         v, engine, backend, device=CUDA, dtype=torch.bfloat16, free_bytes=total - held, total_bytes=total
     )
@@ -81,7 +84,7 @@ def expected(name: str, total: int, max_concurrency: int = 4, fraction: float = 
     v = PACKAGES[name].variant
     slot, page_bytes = gdn_slot_bytes(v), kv_bytes_per_token(v) * PAGE
     working = 2 * GIB * (8192 // 2048) + 16384 * 4 * 32 * 1024  # activations + vision workspace
-    held = weight_bytes(v, False) + CUDA_CONTEXT
+    held = weight_bytes(v, None) + CUDA_CONTEXT
     room = int(fraction * total) - held - working - 3 * max_concurrency * slot
     checkpoint_slots = min(64, int(0.1 * room) // slot)
     room -= checkpoint_slots * slot
@@ -188,6 +191,26 @@ def test_mtp_reserves_its_extra_positions_and_its_layer() -> None:
     assert -(-(plan.max_context + 6) // PAGE) <= plan.kv_pages
 
 
+def test_dflash_reserves_its_block_its_states_and_its_layers() -> None:
+    """dflash:15 on the 27B: a verify of 16 positions (17 state slots a lane), the block after a round
+    that ends at the last allowed token (2K + 1 positions), and the drafter's five layers of 8 x 128 KV
+    heads in the same pages; on an H200 four lanes still hold the model's whole context."""
+    plan = cuda_plan("qwen3_6_27b", H200_141GB, speculative="dflash:15")
+    assert plan.extra_tokens == 31 and plan.lane_slots == 4 * 17
+    assert (
+        plan.page_bytes
+        == (kv_bytes_per_token(PACKAGES["qwen3_6_27b"].variant) + 5 * 2 * 8 * 128 * BF16) * PAGE
+    )
+    assert plan.max_context == POSITIONS
+    # the drafter's weights: 1.73 B parameters, 3.46 GB in bf16 (the published drafter's size)
+    full = PACKAGES["qwen3_6_27b"].with_drafter().variant
+    assert weight_bytes(full, "dflash") - weight_bytes(full, None) == 2 * (
+        5 * (2 * 5120 * 4096 + 2 * 5120 * 1024 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128)
+        + 5120 * 25600
+        + 2 * 5120
+    )
+
+
 def test_the_reference_ops_on_cuda_size_for_their_fp32_scores() -> None:
     """The reference attention holds [heads, unit, context] fp32 scores, and its decode attention reads a
     row's whole block table: its default context is at most 32,768, and what fits beside the scores."""
@@ -242,7 +265,7 @@ def test_build_program_on_cuda_sizes_the_program_from_the_measured_memory(
     import ninfer.targets.qwen3_6.open as family
 
     v = PACKAGES["qwen3_6_27b"].variant
-    held = weight_bytes(v, False) + CUDA_CONTEXT
+    held = weight_bytes(v, None) + CUDA_CONTEXT
     built: list[object] = []
     monkeypatch.setattr(family, "device_memory", lambda device: (H100_80GB - held, H100_80GB))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (9 * GIB, H100_80GB))

@@ -213,9 +213,16 @@ def hf_state_dict(view: ModelView, *, text_only: bool = False) -> dict[str, torc
         elif name.startswith("mtp."):
             if not text_only:
                 out[name] = tensor
+        elif name.startswith("dflash."):  # a separate checkpoint's (`dflash_state_dict`)
+            continue
         else:
             out[("model." if text_only else "model.language_model.") + name] = tensor
     return out
+
+
+def dflash_state_dict(view: ModelView) -> dict[str, torch.Tensor]:
+    """The DFlash drafter's tensors under its own checkpoint's names (``DFlashDraftModel``: no prefix)."""
+    return {name.removeprefix("dflash."): t for name, t in view.tensors.items() if name.startswith("dflash.")}
 
 
 # ---- random initialisation ----------------------------------------------------------------------
@@ -238,14 +245,15 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _is_zero_centred_norm(name: str) -> bool:
     """RMSNorm weights applied as ``1 + w`` (every text/MTP RMSNorm except the GDN gated norm)."""
     return name.endswith(("norm.weight", "layernorm.weight")) and not (
-        name.startswith("visual.") or name.endswith("linear_attn.norm.weight")
+        name.startswith(("visual.", "dflash.")) or name.endswith("linear_attn.norm.weight")
     )
 
 
 def _is_plain_norm(name: str) -> bool:
-    """Norm weights applied as plain ``w`` (the GDN gated norm, the vision LayerNorms)."""
+    """Norm weights applied as plain ``w`` (the GDN gated norm, the vision LayerNorms, the DFlash
+    drafter's Qwen3 RMSNorms)."""
     return name.endswith("linear_attn.norm.weight") or (
-        name.startswith("visual.") and "norm" in name and name.endswith(".weight")
+        name.startswith(("visual.", "dflash.")) and "norm" in name and name.endswith(".weight")
     )
 
 

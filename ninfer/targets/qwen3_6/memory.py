@@ -77,6 +77,9 @@ class BackendShape(Protocol):
     @property
     def kv_layers(self) -> int: ...
 
+    @property
+    def kv_head_shape(self) -> tuple[int, int] | None: ...
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -269,7 +272,7 @@ def plan_memory(
         raise ValueError(f"max_context {given} exceeds the model's {positions} positions")
     page = config.page_size
     slot_bytes = StateStore.slot_bytes(variant, dtype)
-    page_bytes = StateStore.page_bytes(variant, page, dtype, backend.kv_layers)
+    page_bytes = StateStore.page_bytes(variant, page, dtype, backend.kv_layers, backend.kv_head_shape)
     n = config.max_concurrency
     lane_slots = backend.slots_per_sequence * n
     image_tokens = config.max_image_tokens if variant.vision is not None else 0

@@ -122,11 +122,13 @@ class StateStore:
     @classmethod
     def allocate_kv(
         cls, variant: Variant, layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
-        device: torch.device | str,
+        device: torch.device | str, head_shape: tuple[int, int] | None = None,
     ) -> StateStore:  # fmt: skip
         """KV pages only, for ``layers`` attention layers outside the text model (a drafter's, e.g. the
-        MTP layer): the same page ids and layout as the text model's pool, no GDN slots."""
-        kv_shape = (layers, num_pages, page_size, variant.num_kv_heads, variant.head_dim)
+        MTP layer): the same page ids and layout as the text model's pool, no GDN slots; ``head_shape``:
+        their (KV heads, head dim) when not the text model's (a DFlash drafter's)."""
+        heads, head_dim = head_shape or (variant.num_kv_heads, variant.head_dim)
+        kv_shape = (layers, num_pages, page_size, heads, head_dim)
         empty = torch.zeros(0, device=device)
         return cls(
             conv=empty, rec=empty, k_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
@@ -142,12 +144,18 @@ class StateStore:
         return len(variant.gdn_layers) * (conv + rec)
 
     @staticmethod
-    def page_bytes(variant: Variant, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    def page_bytes(
+        variant: Variant, page_size: int, dtype: torch.dtype, extra_layers: int = 0,
+        extra_head_shape: tuple[int, int] | None = None,
+    ) -> int:  # fmt: skip
         """Bytes of one KV page id: K and V of ``page_size`` positions in every attention layer (and
-        ``extra_layers`` more: a drafter's, which use the same page ids)."""
+        ``extra_layers`` more: a drafter's, which use the same page ids, of ``extra_head_shape`` (KV
+        heads, head dim) when not the text model's)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        layers = len(variant.attention_layers) + extra_layers
-        return 2 * layers * page_size * variant.num_kv_heads * variant.head_dim * elem
+        width = variant.num_kv_heads * variant.head_dim
+        heads, head_dim = extra_head_shape or (variant.num_kv_heads, variant.head_dim)
+        per_position = len(variant.attention_layers) * width + extra_layers * heads * head_dim
+        return 2 * page_size * per_position * elem
 
     @property
     def num_slots(self) -> int:
@@ -187,7 +195,8 @@ class StepBatch:
                                   buffers): with splice_embeds [N, H], a token whose mask is set takes
                                   its row of splice_embeds
     inputs_embeds [N, H] | None   replaces every token embedding (tests, the demo trainer)
-    taps          layer indices whose output (the residual stream after the layer) the forward returns
+    taps          layer indices whose output the forward returns (transformers' ``hidden_states[i + 1]``:
+                  the residual stream after the layer; after the last, the final norm's output)
     query_start_host              query_start as host ints (prefill paths read row bounds from it)
     context_lens_host             context_lens as host ints (the SDPA prefill baseline reads them)
     padded                        the token tensors are a prefill graph's capacity: one row whose tokens
@@ -283,7 +292,7 @@ class StepBatch:
 class ForwardOutput:
     hidden: Tensor  # [N, H] after the final norm
     logits: Tensor | None  # fp32: [B, V] (each row's last token), [N, V], or None
-    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [N, H] residual stream after it
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [N, H] its output (`StepBatch.taps`)
 
 
 # ---- forward -------------------------------------------------------------------------------------
@@ -324,8 +333,8 @@ def forward(
     for i, layer in enumerate(text.layers):
         following = text.layers[i + 1].input_norm if i + 1 < len(text.layers) else text.norm
         h, x = _layer_blocks(layer, variant, h, x, following, batch, store, cos, sin, kernels)
-        if i in batch.taps:
-            taps[i] = x
+        if i in batch.taps:  # transformers' hidden_states[i + 1]: after the last layer, the final norm's
+            taps[i] = h if i + 1 == len(text.layers) else x
     return ForwardOutput(hidden=h, logits=step_logits(view, batch, h, logits, kernels), taps=taps)
 
 

@@ -74,6 +74,13 @@ def open_artifact(
                 f"({package.missing_feature('mtp')}); drop speculative"
             )
         groups.append("mtp")
+    if spec is not None and spec.method == "dflash":
+        if not package.has_dflash:
+            raise ValueError(
+                f"speculative {config.speculative!r}: this model has no DFlash drafter "
+                f"({package.missing_feature('dflash')}); drop speculative"
+            )
+        groups.append("dflash")
     loaded = load_model(artifact_path, device, dtype, groups=groups)
     view = loaded.view
     with Artifact.open(artifact_path) as artifact:
@@ -192,6 +199,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def decode_backend(config: EngineConfig, lookahead: bool, variant: Variant) -> DecodeBackend:
     """The Program's decode backend for ``config.speculative`` (docs/engine.md, "Decode backends")."""
+    from ninfer.targets.qwen3_6.impl.runtime.backends.dflash import DFlashDraft
     from ninfer.targets.qwen3_6.impl.runtime.backends.known import KnownContinuation, scripted_acceptance
     from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft
     from ninfer.targets.qwen3_6.impl.runtime.backends.plain import PlainDecode
@@ -206,9 +214,13 @@ def decode_backend(config: EngineConfig, lookahead: bool, variant: Variant) -> D
             continuation=lambda seq: (),
             acceptance=scripted_acceptance(spec.mean_accepted),
         )
+    head = min(config.draft_vocab or variant.vocab_size, variant.vocab_size)
+    if spec.method == "dflash":
+        if variant.dflash is None:
+            raise ValueError(f"speculative {config.speculative!r}: this model has no DFlash drafter")
+        return DFlashDraft(draft_tokens=spec.draft_tokens, dims=variant.dflash, head_rows=head)
     if not variant.mtp_num_hidden_layers:
         raise ValueError(f"speculative {config.speculative!r}: this model has no MTP layer")
-    head = min(config.draft_vocab or variant.vocab_size, variant.vocab_size)
     return MtpDraft(draft_tokens=spec.draft_tokens, layers=variant.mtp_num_hidden_layers, head_rows=head)
 
 

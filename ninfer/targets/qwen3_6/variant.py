@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 LayerKind = Literal["linear_attention", "full_attention"]
+DraftLayerKind = Literal["sliding_attention", "full_attention"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,127 @@ class VisionDims:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class DFlashDims:
+    """A DFlash block drafter of one package (z-lab's ``DFlashDraftModel``; the reference's section 1):
+    Qwen3 decoder layers (plain-weight RMSNorms, q/k norms, 1-D RoPE over the whole head, SwiGLU) over
+    the target's hidden width, conditioned on the target's hidden states after ``target_layer_ids``.
+
+    Its attention is bidirectional inside a block and sees the whole context, except ``sliding_attention``
+    layers, which are causal within ``sliding_window`` positions (the reference model's default)."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_types: tuple[DraftLayerKind, ...]
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    sliding_window: int = 2048
+    rope_theta: float = 1e7
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        problems = []
+        if len(self.layer_types) != self.num_layers:
+            problems.append(f"dflash: {len(self.layer_types)} layer_types for {self.num_layers} layers")
+        if any(t not in ("sliding_attention", "full_attention") for t in self.layer_types):
+            problems.append(f"dflash: unknown layer type in {list(self.layer_types)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            problems.append("dflash: num_attention_heads must be a multiple of num_kv_heads")
+        if not self.target_layer_ids or self.block_size < 2:
+            problems.append("dflash: needs target_layer_ids and a block of at least 2 positions")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def dims(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layer_types"], d["target_layer_ids"] = list(self.layer_types), list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dims(cls, d: dict[str, Any]) -> DFlashDims:
+        d = dict(d)
+        d["layer_types"], d["target_layer_ids"] = tuple(d["layer_types"]), tuple(d["target_layer_ids"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> DFlashDims:
+        """A DFlash drafter checkpoint's ``config.json`` (``DFlashDraftModel``): ValueError names a
+        missing field."""
+        if "DFlashDraftModel" not in cfg.get("architectures", ()):
+            raise ValueError(f"architectures {cfg.get('architectures')!r} is not a DFlash drafter")
+        extra = cfg.get("dflash_config") or {}
+
+        def need(key: str) -> Any:
+            if key in extra:
+                return extra[key]
+            if key not in cfg:
+                raise ValueError(f"the DFlash config.json has no {key!r}")
+            return cfg[key]
+
+        layers = need("num_hidden_layers")
+        types = cfg.get("layer_types") or ["full_attention"] * layers
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1e6
+        if cfg.get("is_causal") is not None:
+            raise ValueError("DFlash configs with an explicit is_causal are not supported")
+        return cls(
+            num_layers=layers,
+            num_attention_heads=need("num_attention_heads"),
+            num_kv_heads=need("num_key_value_heads"),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            intermediate_size=need("intermediate_size"),
+            layer_types=tuple(types),
+            target_layer_ids=tuple(need("target_layer_ids")),
+            mask_token_id=need("mask_token_id"),
+            block_size=int(extra.get("block_size", cfg.get("block_size", 16))),
+            sliding_window=int(cfg.get("sliding_window") or 2048),
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        )
+
+    def hf_config(self, target: Variant) -> dict[str, Any]:
+        """The ``config.json`` of a drafter checkpoint of these dims for ``target`` (the reference
+        loader's `Qwen3Config` fields)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": target.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "vocab_size": target.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": target.max_position_embeddings,
+            "attention_bias": False,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "num_target_layers": target.num_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "tie_word_embeddings": False,
+        }
 
 
 @dataclass(frozen=True)
@@ -85,6 +207,7 @@ class Variant:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 1
     vision: VisionDims | None = None
+    dflash: DFlashDims | None = None  # the package's DFlash drafter, when one is registered
     special: SpecialTokens = field(default_factory=SpecialTokens)
 
     def __post_init__(self) -> None:
@@ -106,6 +229,9 @@ class Variant:
                 f"mrope_section {list(self.mrope_section)} must sum to rotary_dim/2 = {self.rotary_dim // 2} "
                 f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} / 2)"
             )
+        taps = self.dflash.target_layer_ids if self.dflash is not None else ()
+        if not all(0 <= i < self.num_layers for i in taps):
+            problems.append(f"dflash target_layer_ids {list(taps)} outside the {self.num_layers} layers")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -164,7 +290,12 @@ class Variant:
             f"attention {self.num_attention_heads}q:{self.num_kv_heads}kv x {self.head_dim} "
             f"(rotary {self.rotary_dim}), GDN {self.linear_num_key_heads}k:{self.linear_num_value_heads}v "
             f"x {self.linear_key_head_dim}, MTP layers {self.mtp_num_hidden_layers}, "
-            f"vision {'yes' if self.vision else 'no'}",
+            f"vision {'yes' if self.vision else 'no'}, "
+            + (
+                f"DFlash drafter {self.dflash.num_layers} layers, block {self.dflash.block_size}"
+                if self.dflash
+                else "no DFlash drafter"
+            ),
         ]
 
     def dims(self) -> dict[str, Any]:
@@ -172,6 +303,10 @@ class Variant:
         d = asdict(self)
         d["mrope_section"] = list(self.mrope_section)
         d["special"]["eos"] = list(self.special.eos)
+        if self.dflash is None:  # absent, not null: the dims of packages without a drafter are unchanged
+            del d["dflash"]
+        else:
+            d["dflash"] = self.dflash.dims()
         return d
 
     @classmethod
@@ -179,6 +314,7 @@ class Variant:
         d = dict(d)
         vision = d.pop("vision", None)
         special = d.pop("special", None)
+        dflash = d.pop("dflash", None)
         d["mrope_section"] = tuple(d["mrope_section"])
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
@@ -187,6 +323,7 @@ class Variant:
         return cls(
             **d,
             vision=VisionDims(**vision) if vision else None,
+            dflash=DFlashDims.from_dims(dflash) if dflash else None,
             special=SpecialTokens(**{**special, "eos": tuple(special["eos"])})
             if special
             else SpecialTokens(),

@@ -32,6 +32,8 @@ __all__ = [
     "DecoderLayerView",
     "TextModelView",
     "MtpView",
+    "DFlashLayerView",
+    "DFlashView",
     "VisionBlockView",
     "VisionMergerView",
     "VisionView",
@@ -136,6 +138,34 @@ class MtpView:
 
 
 @dataclass(frozen=True, eq=False)
+class DFlashLayerView:
+    """One Qwen3 decoder layer of a DFlash drafter (passive; plain-weight RMSNorms)."""
+
+    input_norm: Tensor  # [H]
+    q_proj: Tensor  # [nH * D, H]
+    k_proj: Tensor  # [nKV * D, H]
+    v_proj: Tensor  # [nKV * D, H]
+    o_proj: Tensor  # [H, nH * D]
+    q_norm: Tensor  # [D]
+    k_norm: Tensor  # [D]
+    post_attention_norm: Tensor  # [H]
+    gate_proj: Tensor  # [I, H]
+    up_proj: Tensor  # [I, H]
+    down_proj: Tensor  # [H, I]
+    kv_proj: Tensor | None  # [2 * nKV * D, H]: k_proj and v_proj stacked (one GEMM), when contiguous
+
+
+@dataclass(frozen=True, eq=False)
+class DFlashView:
+    """A DFlash block drafter (passive). Shares ``embed``/``lm_head`` with the text model."""
+
+    fc: Tensor  # [H, n_taps * H] over the target's hidden states after its tap layers, concatenated
+    hidden_norm: Tensor  # [H]
+    layers: tuple[DFlashLayerView, ...]
+    norm: Tensor  # [H]
+
+
+@dataclass(frozen=True, eq=False)
 class VisionBlockView:
     norm1_weight: Tensor
     norm1_bias: Tensor
@@ -181,6 +211,7 @@ class ModelView:
     mtp: MtpView | None
     vision: VisionView | None
     tensors: Mapping[str, Tensor]
+    dflash: DFlashView | None = None
 
     @classmethod
     def from_tensors(cls, variant: Variant, tensors: Mapping[str, Tensor]) -> ModelView:
@@ -207,7 +238,11 @@ class ModelView:
                 norm=t("mtp.norm.weight"),
             )
         vision = _vision_view(variant, t) if variant.vision is not None else None
-        return cls(variant=variant, text=text, mtp=mtp, vision=vision, tensors=MappingProxyType(ordered))
+        dflash = _dflash_view(variant, t) if variant.dflash is not None else None
+        return cls(
+            variant=variant, text=text, mtp=mtp, vision=vision, tensors=MappingProxyType(ordered),
+            dflash=dflash,
+        )
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ModelView:
         """A new view on ``device``; ``dtype`` casts every tensor except the fp32-pinned ones."""
@@ -354,6 +389,34 @@ def _decoder_layers(
         )
         seen[kind] += 1
     return tuple(layers)
+
+
+def _dflash_view(variant: Variant, t: _Getter) -> DFlashView:
+    assert variant.dflash is not None
+    layers = []
+    for i in range(variant.dflash.num_layers):
+        p = f"dflash.layers.{i}."
+        k, v = t(f"{p}self_attn.k_proj.weight"), t(f"{p}self_attn.v_proj.weight")
+        layers.append(
+            DFlashLayerView(
+                input_norm=t(f"{p}input_layernorm.weight"),
+                q_proj=t(f"{p}self_attn.q_proj.weight"),
+                k_proj=k,
+                v_proj=v,
+                o_proj=t(f"{p}self_attn.o_proj.weight"),
+                q_norm=t(f"{p}self_attn.q_norm.weight"),
+                k_norm=t(f"{p}self_attn.k_norm.weight"),
+                post_attention_norm=t(f"{p}post_attention_layernorm.weight"),
+                gate_proj=t(f"{p}mlp.gate_proj.weight"),
+                up_proj=t(f"{p}mlp.up_proj.weight"),
+                down_proj=t(f"{p}mlp.down_proj.weight"),
+                kv_proj=stacked_rows((k, v)),
+            )
+        )
+    return DFlashView(
+        fc=t("dflash.fc.weight"), hidden_norm=t("dflash.hidden_norm.weight"), layers=tuple(layers),
+        norm=t("dflash.norm.weight"),
+    )  # fmt: skip
 
 
 def _vision_view(variant: Variant, t: _Getter) -> VisionView:

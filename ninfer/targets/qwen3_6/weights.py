@@ -1,7 +1,8 @@
 """Semantic weight schema of the Qwen3.6 family: every tensor a package's model view holds.
 
 Names are the Hugging Face language-model names with the checkpoint prefixes removed
-(``model.language_model.`` -> ``""``, ``model.visual.`` -> ``visual.``, ``mtp.`` and ``lm_head.`` kept),
+(``model.language_model.`` -> ``""``, ``model.visual.`` -> ``visual.``, ``mtp.`` and ``lm_head.`` kept;
+a DFlash drafter's checkpoint names under ``dflash.``),
 and MoE experts always in the fused layout (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``). The converter maps checkpoints onto this schema; the artifact stores
 exactly these names in this order; the model view binds them.
@@ -14,7 +15,7 @@ from typing import Literal
 
 from ninfer.targets.qwen3_6.variant import Variant
 
-WeightGroup = Literal["text", "mtp", "vision"]
+WeightGroup = Literal["text", "mtp", "vision", "dflash"]
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,37 @@ def weight_schema(v: Variant) -> list[WeightSpec]:
         ]
     if v.vision is not None:
         out += _vision(v)
+    if v.dflash is not None:
+        out += _dflash(v)
     return out
+
+
+def _dflash(v: Variant) -> list[WeightSpec]:
+    """The DFlash drafter (`DFlashDims`): its checkpoint's names under ``dflash.``; no embedding or head
+    of its own (it uses the text model's)."""
+    d, H = v.dflash, v.hidden_size
+    assert d is not None
+    out = []
+    for i in range(d.num_layers):
+        p = f"dflash.layers.{i}."
+        out += [
+            WeightSpec(f"{p}input_layernorm.weight", (H,), "dflash"),
+            WeightSpec(f"{p}self_attn.q_proj.weight", (d.q_dim, H), "dflash"),
+            WeightSpec(f"{p}self_attn.k_proj.weight", (d.kv_dim, H), "dflash"),
+            WeightSpec(f"{p}self_attn.v_proj.weight", (d.kv_dim, H), "dflash"),
+            WeightSpec(f"{p}self_attn.o_proj.weight", (H, d.q_dim), "dflash"),
+            WeightSpec(f"{p}self_attn.q_norm.weight", (d.head_dim,), "dflash"),
+            WeightSpec(f"{p}self_attn.k_norm.weight", (d.head_dim,), "dflash"),
+            WeightSpec(f"{p}post_attention_layernorm.weight", (H,), "dflash"),
+            WeightSpec(f"{p}mlp.gate_proj.weight", (d.intermediate_size, H), "dflash"),
+            WeightSpec(f"{p}mlp.up_proj.weight", (d.intermediate_size, H), "dflash"),
+            WeightSpec(f"{p}mlp.down_proj.weight", (H, d.intermediate_size), "dflash"),
+        ]
+    return out + [
+        WeightSpec("dflash.fc.weight", (H, len(d.target_layer_ids) * H), "dflash"),
+        WeightSpec("dflash.hidden_norm.weight", (H,), "dflash"),
+        WeightSpec("dflash.norm.weight", (H,), "dflash"),
+    ]
 
 
 # Projections that read the same input, in the row order the binder stacks them into one device buffer

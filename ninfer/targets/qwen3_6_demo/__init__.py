@@ -9,7 +9,7 @@ Embeddings are tied to the output head to keep the bf16 artifact under 24 MB.
 """
 
 from ninfer.targets.package import Package
-from ninfer.targets.qwen3_6.variant import SpecialTokens, Variant
+from ninfer.targets.qwen3_6.variant import DFlashDims, SpecialTokens, Variant
 
 # the 33 Qwen3.6 special tokens occupy ids 8159..8191, in tokenizer_config.json's added_tokens order
 FIRST_SPECIAL_ID = 8159
@@ -47,8 +47,23 @@ VARIANT = Variant(
     special=SPECIAL,
 )
 
+# a two-layer DFlash drafter (tools/train_demo/dflash.py trains it; not in the bundled artifact)
+DRAFTER = DFlashDims(
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=1,
+    head_dim=64,
+    intermediate_size=512,
+    layer_types=("sliding_attention", "full_attention"),
+    target_layer_ids=(1, 3, 5),
+    mask_token_id=FIRST_SPECIAL_ID + 26,  # <|audio_start|>, the Qwen3.6 drafters' mask (248070)
+    block_size=16,
+    sliding_window=256,
+)
+
 PACKAGE = Package(
     name="qwen3_6_demo",
     variant=VARIANT,
     description="bundled demo model (~11M params, trained on Python stdlib source; tools/train_demo)",
+    drafter=DRAFTER,
 )

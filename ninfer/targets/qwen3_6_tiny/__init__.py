@@ -2,7 +2,7 @@
 partial M-RoPE, MTP and vision weights, and the real 248,320-token vocabulary, at toy width."""
 
 from ninfer.targets.package import Package
-from ninfer.targets.qwen3_6.variant import Variant, VisionDims
+from ninfer.targets.qwen3_6.variant import DFlashDims, Variant, VisionDims
 
 VARIANT = Variant(
     hidden_size=64,
@@ -28,4 +28,24 @@ VARIANT = Variant(
     ),
 )
 
-PACKAGE = Package(name="qwen3_6_tiny", variant=VARIANT, description="tiny dense test package", test_only=True)
+# a two-layer drafter (one sliding-window layer of 16 positions, one full), block 16
+DRAFTER = DFlashDims(
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    layer_types=("sliding_attention", "full_attention"),
+    target_layer_ids=(1, 5),
+    mask_token_id=248070,
+    block_size=16,
+    sliding_window=16,
+)
+
+PACKAGE = Package(
+    name="qwen3_6_tiny",
+    variant=VARIANT,
+    description="tiny dense test package",
+    test_only=True,
+    drafter=DRAFTER,
+)

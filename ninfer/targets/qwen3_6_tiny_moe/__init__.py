@@ -2,7 +2,7 @@
 M-RoPE, 8 experts top-2 with a shared expert, MTP and vision weights, real 248,320-token vocabulary."""
 
 from ninfer.targets.package import Package
-from ninfer.targets.qwen3_6.variant import Variant, VisionDims
+from ninfer.targets.qwen3_6.variant import DFlashDims, Variant, VisionDims
 
 VARIANT = Variant(
     hidden_size=64,
@@ -32,10 +32,25 @@ VARIANT = Variant(
     ),
 )
 
+# a two-layer drafter (one sliding-window layer of 16 positions, one full), block 16
+DRAFTER = DFlashDims(
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    layer_types=("sliding_attention", "full_attention"),
+    target_layer_ids=(1, 3),
+    mask_token_id=248070,
+    block_size=16,
+    sliding_window=16,
+)
+
 PACKAGE = Package(
     name="qwen3_6_tiny_moe",
     variant=VARIANT,
     description="tiny MoE test package",
     hf_model_type="qwen3_5_moe",
     test_only=True,
+    drafter=DRAFTER,
 )

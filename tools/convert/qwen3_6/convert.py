@@ -1,5 +1,9 @@
 """Hugging Face Qwen3.5/3.6 checkpoint folder -> one `.ninfer` artifact of a registered package.
 
+A DFlash drafter of the package (z-lab's ``DFlashDraftModel`` checkpoints, a folder of their own) joins
+the artifact with ``dflash_dir``: its config must be the package's registered drafter exactly, and its
+tensors are stored under ``dflash.``.
+
 A checkpoint without a vision tower or an MTP layer (a text-only export, a quantizer's export without
 MTP) converts with that feature off: the artifact's dims are the package's without it, its provenance
 says why (``features_off``), and one line on stderr says so.
@@ -24,11 +28,11 @@ from tqdm import tqdm
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
 from ninfer.targets.package import FEATURE_REFUSES, STORAGE_PROFILES, Package
-from ninfer.targets.qwen3_6.variant import Variant
+from ninfer.targets.qwen3_6.variant import DFlashDims, Variant
 from ninfer.targets.registry import PackageMismatch, check_dims, get_package, package_for_hf_config
 
 from .plan import Plan, Recipe, build_plan, check_tokenizer
-from .source import ConvertError, HFCheckpoint, read_checkpoint, read_frontend
+from .source import ConvertError, HFCheckpoint, SourceTensor, read_checkpoint, read_frontend
 
 # Bump when the bytes written for the same input change (mapping, fusion, casting or provenance).
 CONVERTER_VERSION = "1"
@@ -41,13 +45,15 @@ def convert(
     *,
     dtype: str | None = None,
     package: str | None = None,
+    dflash_dir: str | Path | None = None,
     progress: bool = True,
 ) -> Path:
     """Convert the checkpoint in ``hf_dir`` into ``out_path``; returns the artifact path.
 
     ``dtype`` names a storage profile (bf16/fp16/fp32); None keeps the source precision (the majority
     dtype of the text weights). ``package`` forces a registered package; its dims must still match
-    config.json exactly. Raises ConvertError (one line, names the file) for any refused input.
+    config.json exactly. ``dflash_dir``: a DFlash drafter checkpoint to store with it. Raises
+    ConvertError (one line, names the file) for any refused input.
     """
     if dtype is not None and dtype not in STORAGE_PROFILES:
         raise ConvertError(f"unknown dtype {dtype!r}; storage profiles: {', '.join(STORAGE_PROFILES)}")
@@ -57,6 +63,9 @@ def convert(
 
     ckpt = read_checkpoint(hf_dir)
     pkg = resolve_package(ckpt, package)
+    if dflash_dir is not None:
+        merge_drafter(ckpt, read_checkpoint(dflash_dir), pkg)
+        pkg = pkg.with_drafter()
     frontend = read_frontend(ckpt)
     check_tokenizer(frontend["tokenizer.json"], pkg, str(ckpt.path("tokenizer.json")))
     plan = build_plan(ckpt, pkg, dtype)
@@ -96,9 +105,45 @@ def convert(
             writer.write_tensor(recipe.spec.name, tensor)
             bar.update(recipe.nbytes)
         writer.close()
-    if plan.features_off:
-        print(f"convert {pkg.name}: {features_off_line(plan.features_off)}", file=sys.stderr)
+    off = plan.features_off
+    if off:
+        print(f"convert {pkg.name}: {features_off_line(off)}", file=sys.stderr)
     return out
+
+
+def merge_drafter(ckpt: HFCheckpoint, drafter: HFCheckpoint, package: Package) -> None:
+    """Add ``drafter``'s tensors to ``ckpt`` as ``dflash.*`` (read from the drafter's own files), or
+    ConvertError naming what differs from the package's registered drafter."""
+    config_path = drafter.path("config.json")
+    registered = package.drafter
+    if registered is None:
+        raise ConvertError(f"{config_path}: package {package.name!r} has no registered DFlash drafter")
+    try:
+        dims = DFlashDims.from_hf_config(drafter.config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConvertError(f"{config_path}: not a DFlash drafter config ({e})") from None
+    cfg = drafter.config
+    problems = [
+        f"{k}: {a!r} != {b!r}" for k, a, b in (
+            (k, dims.dims()[k], registered.dims()[k]) for k in sorted(registered.dims())
+        ) if a != b
+    ]  # fmt: skip
+    for key, want in (
+        ("hidden_size", package.variant.hidden_size),
+        ("num_target_layers", package.variant.num_layers),
+        ("vocab_size", package.variant.vocab_size),
+    ):
+        if key in cfg and cfg[key] != want:
+            problems.append(f"{key}: {cfg[key]!r} != {want!r}")
+    if problems:
+        raise ConvertError(
+            f"{config_path}: the drafter does not match package {package.name!r}'s: " + "; ".join(problems)
+        )
+    for key, src in drafter.tensors.items():
+        where = str((drafter.root / src.file).resolve())  # an absolute path: read from the drafter's folder
+        ckpt.tensors[f"dflash.{key}"] = SourceTensor(src.key, where, src.dtype, src.shape)
+    for name, size in drafter.files_read.items():
+        ckpt.files_read[f"dflash/{name}"] = size
 
 
 def features_off_line(off: dict[str, str]) -> str:
@@ -129,7 +174,8 @@ def resolve_package(ckpt: HFCheckpoint, name: str | None) -> Package:
 def provenance(ckpt: HFCheckpoint, plan: Plan, *, dtype: str | None, package: str | None) -> dict[str, Any]:
     """What made this artifact: no time, no absolute paths, so the same input gives the same bytes."""
     cfg = ckpt.config
-    features = {"features_off": dict(plan.features_off)} if plan.features_off else {}
+    off = plan.features_off
+    features = {"features_off": off} if off else {}
     return {
         **features,  # (absent for a complete checkpoint: its artifact's bytes do not change)
         "converter": CONVERTER_NAME,

@@ -84,7 +84,7 @@ def canonical_name(key: str) -> str | None:
         return key.removeprefix("model.language_model.")
     if key.startswith("model.visual."):
         return "visual." + key.removeprefix("model.visual.")
-    if key.startswith(("lm_head.", "mtp.")):
+    if key.startswith(("lm_head.", "mtp.", "dflash.")):  # dflash.: a drafter's (`merge_drafter`)
         return key
     if key.startswith("model."):  # text-only checkpoint (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM)
         return key.removeprefix("model.")

@@ -13,6 +13,10 @@ Two kinds of step, one forward (`model.forward`):
 
 Which slots a row reads and writes, and at which positions, is the caller's choice (the Program and its
 decode backend); the executor only lays the step out (`StepBuilder`) and runs it.
+
+Every step returns its hidden states (`StepRun.hidden`): the final norm's output [N, H], and, with
+``taps`` (a drafter conditioned on the target's inner layers: DFlash), those layers' outputs after it,
+[N, H * (1 + len(taps))], in graphs and eagerly alike.
 """
 
 from __future__ import annotations
@@ -52,11 +56,14 @@ class StepExecutor:
         graph_shapes: Iterable[tuple[int, int]] = (),
         prefill_capacities: Iterable[int] = (),
         scratch_slot: int = 0,
+        taps: tuple[int, ...] = (),
     ) -> None:
         """``graph_shapes``: the ``(B, T)`` uniform steps to capture as CUDA graphs (none: all eager);
         ``prefill_capacities``: the one-row prefill chunk sizes to capture (the fast op table only).
         Capture runs here, before any sequence exists: its placeholder rows read and write state slot
-        ``scratch_slot`` and KV page 0, which no committed state depends on yet."""
+        ``scratch_slot`` and KV page 0, which no committed state depends on yet. ``taps``: the layers
+        whose outputs every step's hidden states carry after the final norm's (the module docstring)."""
+        self.taps = taps
         self.variant = variant
         self.view = view
         self.store = store
@@ -134,7 +141,23 @@ class StepExecutor:
         batch = self.steps.unpack(step, feed)
         if splice is not None:
             batch = dataclasses.replace(batch, splice_index=splice[0], splice_embeds=splice[1])
-        return forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
+        batch = self._with_taps(batch)
+        out = forward(self.view, self.variant, batch, self.store, logits=logits, kernels=self.kernels)
+        return self._tapped(out)
+
+    def _with_taps(self, batch: StepBatch) -> StepBatch:
+        if not self.taps:
+            return batch
+        tapped = dataclasses.replace(batch, taps=self.taps)
+        tapped.memo.update(batch.memo)
+        return tapped
+
+    def _tapped(self, out: ForwardOutput) -> ForwardOutput:
+        """``out`` with the tap layers' outputs after its hidden states."""
+        if not self.taps:
+            return out
+        joined = torch.cat((out.hidden, *(out.taps[i] for i in self.taps)), dim=-1)
+        return dataclasses.replace(out, hidden=joined)
 
     def _graph_step(self, step: PackedStep, feed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The work a step graph captures: the packed inputs unpacked (rows with a negative token id fed
@@ -151,14 +174,17 @@ class StepExecutor:
         splice: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[StepBatch, torch.Tensor]:
         """The work a prefill graph captures: the padded chunk unpacked, its dense splice (mask, embeddings)
-        applied, then the forward to the hidden states, under ``kernels`` and starting from ``memo``."""
+        applied, then the forward to the hidden states (and the taps), under ``kernels`` and starting from
+        ``memo``."""
         mask, embeds = splice
-        batch = dataclasses.replace(self.steps.unpack(step), splice_mask=mask, splice_embeds=embeds)
+        unpacked = dataclasses.replace(self.steps.unpack(step), splice_mask=mask, splice_embeds=embeds)
+        batch = self._with_taps(unpacked)
         batch.memo.update(memo)
         out = forward(self.view, self.variant, batch, self.store, logits="none", kernels=kernels)
-        return batch, out.hidden
+        return batch, self._tapped(out).hidden
 
     def _chunk_logits(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden[:, : self.variant.hidden_size]  # without the taps
         logits = step_logits(self.view, batch, hidden, "last", self.kernels)
         assert logits is not None
         return logits

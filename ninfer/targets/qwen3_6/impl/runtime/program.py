@@ -68,7 +68,7 @@ from ninfer.targets.qwen3_6.impl.runtime.images import PromptImages, prompt_imag
 from ninfer.targets.qwen3_6.impl.runtime.prefill_graphs import capacities
 from ninfer.targets.qwen3_6.impl.runtime.resources import Copies, ResourceBook
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder
+from ninfer.targets.qwen3_6.impl.runtime.step import StepBuilder, pinned_ids
 from ninfer.targets.qwen3_6.impl.runtime.vision_graphs import VisionTower
 from ninfer.targets.qwen3_6.kernels import fla_available, select_kernels
 from ninfer.targets.qwen3_6.memory import MemoryPlan
@@ -139,7 +139,9 @@ class Qwen36Program:
             extra_tokens=self.backend.extra_tokens,
             checkpoint_slots=config.checkpoint_slots,
             slot_bytes=StateStore.slot_bytes(variant, config.dtype),
-            page_bytes=StateStore.page_bytes(variant, config.page_size, config.dtype, self.backend.kv_layers),
+            page_bytes=StateStore.page_bytes(
+                variant, config.page_size, config.dtype, self.backend.kv_layers, self.backend.kv_head_shape
+            ),
             host_slots=config.host_checkpoint_slots,
             host_pages=config.host_kv_pages,
         )
@@ -149,7 +151,10 @@ class Qwen36Program:
         # the decode backend's own KV (a drafter's attention layers), in pages of the text model's ids
         layers, pages = self.backend.kv_layers, config.kv_pages
         self.backend_kv = (
-            StateStore.allocate_kv(variant, layers, pages, config.page_size, config.dtype, config.device)
+            StateStore.allocate_kv(
+                variant, layers, pages, config.page_size, config.dtype, config.device,
+                self.backend.kv_head_shape,
+            )
             if layers
             else None
         )
@@ -177,6 +182,7 @@ class Qwen36Program:
             graph_shapes=self.backend.graph_shapes(n) if graphs else (),
             prefill_capacities=prefill_capacities(config) if graphs and self._fla_prefill() else (),
             scratch_slot=0,
+            taps=self.backend.taps,
         )
         self.backend.bind(self.executor, self.sampler, self.backend_kv)
         # the vision tower, with the configured image grids captured as graphs now (before any request)
@@ -412,7 +418,7 @@ class Qwen36Program:
             # prompt chunks commit directly (the prompt is known): the state goes back into the current slot
             run = self.executor.ragged([seq], [chunk], state_out=[seq.current], logits="none", splice=splice)
             if self.backend.observes_steps:
-                following = self._on_device(seq.prompt[start + 1 : end + 1])
+                following = pinned_ids(seq.prompt[start + 1 : end + 1], self.config.device)
                 self.backend.observe([seq], run, following, drafts=False)
             seq.frontier += len(chunk)
             return PrefillProgress(consumed=len(chunk), remaining=remaining - len(chunk))
@@ -425,7 +431,8 @@ class Qwen36Program:
         queued = self.sampler.draw([seq], run, masks)
         if self.backend.observes_steps:
             # the token after each prompt position: the next prompt token, after the last the drawn one
-            following = torch.cat((self._on_device(seq.prompt[start + 1 : end]), queued.drawn.view(1)))
+            prompt_after = pinned_ids(seq.prompt[start + 1 : end], self.config.device)
+            following = torch.cat((prompt_after, queued.drawn.view(1)))
             self.backend.observe([seq], run, following, drafts=True)
         rows = queued.rows([seq], [RowCommit((out,), consumed=len(chunk))])
         return self._open("prefill", rows)
@@ -485,7 +492,7 @@ class Qwen36Program:
         out = seq.spare
         run = self.executor.ragged([seq], [inputs], state_out=[out], logits="all" if want else "none")
         if self.backend.observes_steps:
-            self.backend.observe([seq], run, self._on_device(tokens), drafts=True)
+            self.backend.observe([seq], run, pinned_ids(tokens, self.config.device), drafts=True)
         logits = run.logits
         # log-probs the model gave the forced tokens (reported like sampled ones; no sampler, no RNG)
         logprobs = forced_logprobs(logits, tokens, seq.logprobs.top_n) if want else None
@@ -528,13 +535,6 @@ class Qwen36Program:
         # nothing to undo: the spare slots and KV beyond the frontier are simply overwritten later
 
     # ---- internals ------------------------------------------------------------------------------
-    def _on_device(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Token ids as a device tensor (through pinned memory on CUDA: no wait for the queue)."""
-        ids = torch.tensor(list(tokens), dtype=torch.long)
-        if self.config.device.type == "cuda":
-            ids = ids.pin_memory()
-        return ids.to(self.config.device, non_blocking=True)
-
     def _open(self, kind: PendingKind, rows: Sequence[PendingRow]) -> PendingBatch:
         pending = PendingBatch(self.owner, next(self._batch_ids), kind, rows)
         self._open_pending = pending

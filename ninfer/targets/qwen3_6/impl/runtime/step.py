@@ -100,6 +100,15 @@ class PackedStep:
         return self.values[start : start + 2 * self.num_tokens].view(2, self.num_tokens)
 
 
+def pinned_ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a long device tensor, through pinned memory on CUDA: a copy from pageable memory
+    would wait for the device queue to drain, and the callers queue behind running steps."""
+    ids = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
+
+
 class StepBuilder:
     def __init__(self, page_size: int, block_tables: torch.Tensor, *, fused_unpack: bool = False) -> None:
         """``fused_unpack``: `unpack`'s casts and table gather in one Triton launch (the fast op table, on

@@ -11,7 +11,8 @@ backend owns what happens inside a decode unit:
   (a known continuation of the sequence), verifies them in one step of K + 1 tokens per row through the
   real verify step and the exact acceptance rule, and commits the accepted prefix by slot selection.
 - ``mtp`` (`MtpDraft`): the model's own MTP layer drafts K tokens a row, verified like ``known``'s.
-- DFlash, DFlash2: later speculative backends, on the same verify step and commit (`verify.VerifyRound`).
+- ``dflash`` (`DFlashDraft`): a DFlash block drafter conditioned on the target's inner layers drafts K
+  tokens a row in one forward, verified like ``known``'s. DFlash2: a later backend on the same verify.
 
 Every row a backend returns carries a `RowCommit` (``PendingRow.accept_meta``): the slot holding the
 state after each position the unit ran, so that commit of ``a`` accepted tokens advances the frontier by
@@ -67,6 +68,16 @@ class DecodeBackend(Protocol):
     def kv_layers(self) -> int:
         """Attention layers of the backend's own (a drafter's), whose KV the Program keeps in pages of
         the same ids as the text model's (`StateStore.allocate_kv`), so checkpoints hold it too."""
+        ...
+
+    @property
+    def kv_head_shape(self) -> tuple[int, int] | None:
+        """(KV heads, head dim) of the backend's own attention layers; None: the text model's."""
+        ...
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Text-model layers whose outputs every step's hidden states carry (`StepExecutor`, ``taps``)."""
         ...
 
     def bind(self, executor: StepExecutor, sampler: Sampler, kv: StateStore | None) -> None:

@@ -39,7 +39,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder, pinned_ids
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, mtp_forward
 
 
@@ -151,7 +151,7 @@ class MtpDraft(VerifyRound):
                 raise ProgramInvariantError(f"{seq.handle} has no MTP drafts for frontier {seq.frontier}")
             # the row committed a prefix of its round: draft again from its last committed position
             last = seq.frontier - 1
-            at = _on_device([last], pending.outputs.device)
+            at = pinned_ids([last], pending.outputs.device)
             self._chain(
                 [seq], pending.outputs[last - pending.base : last - pending.base + 1].clone(), at,
                 [seq.frontier],
@@ -170,7 +170,7 @@ class MtpDraft(VerifyRound):
         if drafts:  # the rows commit their whole span: the drafts follow its end
             ends = [seq.frontier + n for seq, n in zip(seqs, _row_lengths(batch))]
             last = batch.query_start[1:].long() - 1
-            positions = _on_device([e - 1 for e in ends], out.device)
+            positions = pinned_ids([e - 1 for e in ends], out.device)
             self._chain(seqs, out.index_select(0, last), positions, ends)
 
     def after_verify(self, seqs: Sequence[SequenceState], run: StepRun, queued: QueuedVerify) -> None:
@@ -241,8 +241,8 @@ class MtpDraft(VerifyRound):
         position (``positions``, on the device), tagged with the frontier the row reaches when it commits
         all it produced (``frontiers``; after a verify, set once its acceptance is read)."""
         device = out.device
-        index = _on_device([s.handle.index for s in seqs], device)
-        delta = _on_device([s.rope_delta for s in seqs], device)
+        index = pinned_ids([s.handle.index for s in seqs], device)
+        delta = pinned_ids([s.rope_delta for s in seqs], device)
         self._queue(seqs, self._propose(out, positions, index, delta), frontiers)
 
     def _propose(
@@ -309,12 +309,3 @@ class MtpDraft(VerifyRound):
 def _row_lengths(batch: StepBatch) -> list[int]:
     bounds = batch.query_bounds()
     return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints as a device tensor, through pinned memory on CUDA: a copy from pageable memory would
-    wait for the device queue to drain, and the drafts are queued behind the verify."""
-    ids = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        ids = ids.pin_memory()
-    return ids.to(device, non_blocking=True)

@@ -54,6 +54,8 @@ class PlainDecode:
         self._sampler: Sampler | None = None
 
     kv_layers = 0
+    taps: tuple[int, ...] = ()
+    kv_head_shape: tuple[int, int] | None = None
     observes_steps = False
 
     def bind(self, executor: StepExecutor, sampler: Sampler, kv: StateStore | None = None) -> None:

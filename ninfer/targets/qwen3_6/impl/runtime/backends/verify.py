@@ -31,6 +31,8 @@ from ninfer.targets.qwen3_6.model import StateStore
 class VerifyRound:
     name = "verify"
     kv_layers = 0
+    taps: tuple[int, ...] = ()
+    kv_head_shape: tuple[int, int] | None = None
     observes_steps = False
 
     def __init__(self, *, draft_tokens: int) -> None:
