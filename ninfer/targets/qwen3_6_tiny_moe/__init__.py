@@ -1,8 +1,11 @@
 """Tiny MoE test package: the real 3:1 pattern, head ratios (16:2 attention, 16:32 GDN), partial
 M-RoPE, 8 experts top-2 with a shared expert, MTP and vision weights, real 248,320-token vocabulary."""
 
+import dataclasses
+
+from ninfer.targets import qwen3_6_tiny
 from ninfer.targets.package import Package
-from ninfer.targets.qwen3_6.variant import DFlashDims, Variant, VisionDims
+from ninfer.targets.qwen3_6.variant import Variant, VisionDims
 
 VARIANT = Variant(
     hidden_size=64,
@@ -32,19 +35,8 @@ VARIANT = Variant(
     ),
 )
 
-# a two-layer drafter (one sliding-window layer of 16 positions, one full), block 16
-DRAFTER = DFlashDims(
-    num_layers=2,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    layer_types=("sliding_attention", "full_attention"),
-    target_layer_ids=(1, 3),
-    mask_token_id=248070,
-    block_size=16,
-    sliding_window=16,
-)
+# the tiny dense package's drafter, its taps on this package's four layers
+DRAFTER = dataclasses.replace(qwen3_6_tiny.DRAFTER, target_layer_ids=(1, 3))
 
 PACKAGE = Package(
     name="qwen3_6_tiny_moe",

@@ -109,6 +109,17 @@ def pinned_ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return ids.to(device, non_blocking=True)
 
 
+def host_copy(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``values`` on their way to the host behind the work queued so far (from CUDA a copy into pinned
+    memory, not waited on), and the event that marks them landed (None off CUDA: the copy is done)."""
+    host = values.to("cpu", non_blocking=True)
+    if not values.is_cuda:
+        return host, None
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 class StepBuilder:
     def __init__(self, page_size: int, block_tables: torch.Tensor, *, fused_unpack: bool = False) -> None:
         """``fused_unpack``: `unpack`'s casts and table gather in one Triton launch (the fast op table, on

@@ -39,7 +39,7 @@ from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder, pinned_ids
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder, host_copy, pinned_ids
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, mtp_forward
 
 
@@ -265,11 +265,7 @@ class MtpDraft(VerifyRound):
         self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
     ) -> None:
         """Queue the drafts' host copy behind the work that computes them."""
-        host = proposed.to("cpu", non_blocking=True)
-        done = None
-        if proposed.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
+        host, done = host_copy(proposed)
         for i, seq in enumerate(seqs):
             frontier = frontiers[i] if frontiers is not None else -1
             self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)
