@@ -13,6 +13,8 @@ The attention layer's step ops, reference and fast side by side (the fast op tab
 - `gated_decode_attention`: one query per table row over the paged K/V, then the output gate read from
   qkv's gate columns. Fast: `ninfer.ops.triton.paged_decode_attention` (split-KV, GQA packed) with the gate
   applied where the output is written, one launch fewer per layer.
+- `paged_block_attention`: a DFlash drafter's block of T queries a row over its paged context, causal or
+  not, in a window or not. Fast: `fast_paged_block_attention`, the prefill kernel below with those masks.
 - `gated_prefill_attention`: rows of any length, then the output gate. Fast:
   `ninfer.ops.triton.paged_prefill_attention` (flash-style, pages and GQA read in place, row bounds and
   lengths read on the device, so it is captured inside the prefill graphs) with the gate applied where
@@ -41,6 +43,7 @@ __all__ = [
     "kv_write",
     "paged_attention",
     "paged_block_attention",
+    "fast_paged_block_attention",
     "gated_attention_output",
     "paged_decode_attention",
     "AttentionHeads",
@@ -328,6 +331,22 @@ def fast_gated_prefill_attention(
         q, k_pages, v_pages, step.block_table, step.query_start, step.context_lens, scale, gate_qkv=qkv,
         zero_padding=step.padded,
     )  # fmt: skip
+
+
+def fast_paged_block_attention(
+    q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, context_lens: Tensor, scale: float,
+    *, causal: bool, window: int | None = None,
+) -> Tensor:  # fmt: skip
+    """`paged_block_attention` by the Triton prefill kernel (rows of equal length, the block's visibility
+    as its ``causal`` and ``window`` say): nothing read back to the host, so the drafter's round can be
+    queued behind the verify, or captured."""
+    from ninfer.ops.triton.paged_prefill_attention import paged_prefill_attention
+
+    rows = context_lens.shape[0]
+    query_start = torch.arange(0, q.shape[0] + 1, q.shape[0] // rows, dtype=torch.int32, device=q.device)
+    return paged_prefill_attention(
+        q, k_pages, v_pages, block_table, query_start, context_lens, scale, causal=causal, window=window
+    )
 
 
 def sdpa_prefill_attention(

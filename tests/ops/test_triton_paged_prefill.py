@@ -1,5 +1,6 @@
 """Triton paged prefill attention (`ninfer.ops.triton.paged_prefill_attention`) against the reference
-`ninfer.ops.attention.paged_attention` (and its gate against `gated_output`).
+`ninfer.ops.attention.paged_attention` (and its gate against `gated_output`), and its DFlash block form
+(not causal, sliding window) against `paged_block_attention`.
 
 CPU tests run the kernel in fp32 in the Triton interpreter (a child process, `triton_interpreter`; the
 interpreter's bf16 `tl.dot` returns garbage in Triton 3.8, so bf16 is checked compiled only); `gpu` tests
@@ -137,6 +138,43 @@ def test_default_tiles_on_a_long_row(kernels: ModuleType) -> None:
     torch.testing.assert_close(_run(kernels, x, 0.2), _reference(x, 0.2), rtol=1e-5, atol=1e-5)
 
 
+# a DFlash drafter's block: T queries a row, the last T of contexts inside, at and past the window
+BLOCK_CONTEXTS = [16, 37, 90, 131]
+
+
+@pytest.mark.parametrize(
+    ("causal", "window"), [(False, None), (True, 16), (False, 16), (True, None), (True, 200)]
+)
+@pytest.mark.parametrize(
+    ("tokens", "page_size", "tiles"),
+    [(16, 16, (16, 16)), (5, 8, (16, 32)), (20, 16, (16, 16)), (16, 32, None)],
+    ids=["block16", "k4-across-pages", "row-in-two-tiles", "default-tiles"],
+)
+def test_block_attention_matches_the_drafter_reference(
+    kernels: ModuleType, causal: bool, window: int | None, tokens: int, page_size: int,
+    tiles: tuple[int, int] | None,
+) -> None:  # fmt: skip
+    from ninfer.ops.attention import fast_paged_block_attention, paged_block_attention
+
+    rows = [(tokens, max(ctx, tokens)) for ctx in BLOCK_CONTEXTS]
+    x = _inputs(rows, 4, 2, 16, page_size, seed=tokens + page_size)
+    scale = 16**-0.5
+    want = paged_block_attention(
+        x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["context_lens"], scale, causal=causal,
+        window=window,
+    )  # fmt: skip
+    if tiles is None:
+        got = fast_paged_block_attention(
+            x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["context_lens"], scale, causal=causal,
+            window=window,
+        )  # fmt: skip
+    else:
+        got = _run(kernels, x, scale, tiles=kernels.PrefillTiles(*tiles, 4, 1), causal=causal, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if not causal or (window or 10**9) < max(BLOCK_CONTEXTS):  # the control: the plain kernel differs
+        assert not torch.allclose(_run(kernels, x, scale), want, rtol=1e-3, atol=1e-3)
+
+
 def test_bad_shapes_are_named(kernels: ModuleType) -> None:
     x = _inputs([(4, 4)], 4, 2, 16, 16)
     with pytest.raises(ValueError, match="query_start"):
@@ -149,6 +187,8 @@ def test_bad_shapes_are_named(kernels: ModuleType) -> None:
         _run(kernels, x, 1.0, gate_qkv=x["qkv"][:, :8])
     with pytest.raises(ValueError, match="power of two"):
         kernels.PrefillTiles(block_m=48)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        _run(kernels, x, 1.0, window=0)
 
 
 # ---- compiled, D = 256 -------------------------------------------------------------------------------
@@ -187,3 +227,22 @@ def test_prefill_on_cuda_matches_the_reference_and_sdpa(n_heads: int, n_kv: int)
 
     gate_after = sigmoid_gate(got, x["qkv"], num_heads=n_heads, head_dim=256)  # the op the gate replaces
     assert torch.equal(gated[:live], gate_after[:live])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, 2048)], ids=["full", "sliding"])
+def test_block_attention_on_cuda_at_the_27b_drafters_shape(causal: bool, window: int | None) -> None:
+    """The 27B drafter's heads (32 query, 8 KV, D = 128), a block of 16, contexts inside and past its
+    2,048-position window, bf16 against the fp32 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ninfer.ops.attention import fast_paged_block_attention, paged_block_attention
+
+    rows = [(16, ctx) for ctx in (16, 700, 2048, 3001)]
+    x = _inputs(rows, 32, 8, 128, 64, dtype=torch.bfloat16, device="cuda", seed=4)
+    scale = 128**-0.5
+    args = (x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["context_lens"], scale)
+    got = fast_paged_block_attention(*args, causal=causal, window=window)
+    f = [t.float() if t.is_floating_point() else t for t in args[:5]]
+    want = paged_block_attention(*f, scale, causal=causal, window=window)
+    assert max_rel_error(got, want) < 2e-2

@@ -3,7 +3,9 @@
 
 Rows of any length: q [N, nH, D] holds row r's queries at tokens query_start[r] .. query_start[r+1] - 1,
 the last tokens of a context of context_lens[r] positions whose K/V (the queries' own included) are in
-the row's pages block_table[r] of [P, page_size, nKV, D]. Query i of the row sees positions 0 .. its own.
+the row's pages block_table[r] of [P, page_size, nKV, D]. Query i of the row sees positions 0 .. its own;
+or, for a DFlash drafter's block (`ninfer.ops.attention.paged_block_attention`), the whole context
+(``causal=False``) and/or only a sliding ``window`` of it.
 
 One program handles `BLOCK_M` consecutive queries of one row and one query head (a flash-attention
 forward: online softmax in fp32 over `BLOCK_N`-key blocks, scores and the output as tensor-core
@@ -64,10 +66,13 @@ def _kv_tiles(
 @triton.jit
 def _attend(
     acc, m_i, l_i, q, k_ptr, v_ptr, table_row, lo, hi, context_len, q_positions, kv_head, offs_n, offs_d,
-    mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head,
+    mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head, window,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
-    """Fold key blocks lo .. hi (multiples of BLOCK_N from lo) into the online softmax (log2 domain)."""
+    """Fold key blocks lo .. hi (multiples of BLOCK_N from lo) into the online softmax (log2 domain).
+    ``MASKED``: the blocks' keys are checked against the context's end, and (``CAUSAL``) each query's
+    position and (``WINDOWED``) its window."""
     for start_n in range(lo, hi, BLOCK_N):
         k, v = _kv_tiles(
             k_ptr, v_ptr, table_row, start_n, context_len, kv_head, offs_n, offs_d, mask_d,
@@ -76,11 +81,20 @@ def _attend(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             positions = start_n + offs_n
-            visible = (positions[None, :] <= q_positions[:, None]) & (positions < context_len)[None, :]
+            visible = (positions < context_len)[None, :]
+            if CAUSAL:
+                visible &= positions[None, :] <= q_positions[:, None]
+            if WINDOWED:
+                visible &= q_positions[:, None] - positions[None, :] < window
+                if not CAUSAL:
+                    visible &= positions[None, :] - q_positions[:, None] < window
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_use = m_new
+        if WINDOWED:  # a query's keys so far may all lie before its window: its max is still -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -92,10 +106,10 @@ def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, gate_ptr, block_table_ptr, query_start_ptr, context_lens_ptr,
     qk_scale, num_rows, num_tokens,
     q_stride_n, q_stride_h, out_stride_n, out_stride_h, gate_stride_n,
-    kv_stride_page, kv_stride_slot, kv_stride_head, table_stride,
+    kv_stride_page, kv_stride_slot, kv_stride_head, table_stride, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, ZERO_PADDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(USE_PDL)
     head = tl.program_id(0)
@@ -135,20 +149,31 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # keys 0 .. first_position are visible to every query of the tile; the blocks after them, up to
-        # the tile's last live position, cross the diagonal. The first block always holds position 0,
-        # which every query sees, so no row of the running max stays -inf.
-        unmasked_end = (first_position + 1) // BLOCK_N * BLOCK_N
-        kv_end = tl.minimum(context_len, first_position + BLOCK_M)
+        if WINDOWED:
+            # every block from the first query's window start on is masked: a window's edge and the
+            # diagonal both cross the tile (each query sees its own position, so no live row's running
+            # max stays -inf; dead rows past the row's end are never stored)
+            kv_start = tl.maximum(first_position - window + 1, 0) // BLOCK_N * BLOCK_N
+            unmasked_end = kv_start
+        elif CAUSAL:
+            # keys 0 .. first_position are visible to every query of the tile; the blocks after them, up
+            # to the tile's last live position, cross the diagonal. The first block always holds position
+            # 0, which every query sees, so no row of the running max stays -inf.
+            kv_start = 0
+            unmasked_end = (first_position + 1) // BLOCK_N * BLOCK_N
+        else:  # every query sees the whole context: only its last block is cut by the end
+            kv_start = 0
+            unmasked_end = context_len // BLOCK_N * BLOCK_N
+        kv_end = tl.minimum(context_len, first_position + BLOCK_M) if CAUSAL else context_len
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_row, 0, unmasked_end, context_len, q_positions, kv_head,
-            offs_n, offs_d, mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head,
-            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            acc, m_i, l_i, q, k_ptr, v_ptr, table_row, kv_start, unmasked_end, context_len, q_positions,
+            kv_head, offs_n, offs_d, mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head, window,
+            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, CAUSAL, WINDOWED,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_ptr, v_ptr, table_row, unmasked_end, kv_end, context_len, q_positions,
-            kv_head, offs_n, offs_d, mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head,
-            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            kv_head, offs_n, offs_d, mask_d, qk_scale, kv_stride_page, kv_stride_slot, kv_stride_head, window,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, CAUSAL, WINDOWED,
         )  # fmt: skip
         o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         mask = mask_m[:, None] & mask_d[None, :]
@@ -198,6 +223,8 @@ def paged_prefill_attention(
     zero_padding: bool = False,
     out: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
+    causal: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen paged causal attention -> [N, nH, D] in q's dtype, or gated [N, nH*D] with ``gate_qkv``.
 
@@ -207,7 +234,9 @@ def paged_prefill_attention(
     written, or written as zeros with ``zero_padding`` (a prefill graph's padding, `StepFacts.padded`).
     ``gate_qkv`` [N, >= nH*2D] (row stride free, last dim contiguous): head h's gate in columns
     h*2D + D .. h*2D + 2D - 1. ``out`` may supply the output buffer ([N, nH, D], or [N, nH*D] gated; last
-    dim contiguous).
+    dim contiguous). Without ``causal`` every query sees its row's whole context (a DFlash drafter's
+    block, `ninfer.ops.attention.paged_block_attention`); ``window``: only keys less than ``window``
+    positions before it (and, without ``causal``, after it).
     """
     n, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_pages.shape
@@ -239,6 +268,8 @@ def paged_prefill_attention(
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
     elif out.shape != shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {list(shape)} {q.dtype} with a contiguous last dim")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if n == 0 or rows == 0:
         return out
     tiles = tiles or PrefillTiles()
@@ -253,11 +284,12 @@ def paged_prefill_attention(
         q, k_pages, v_pages, out_heads, gate, block_table, query_start, context_lens,
         scale * 1.4426950408889634, rows, n,
         q.stride(0), q.stride(1), out_heads.stride(0), out_heads.stride(1), gate_stride,
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_table.stride(0),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), block_table.stride(0), window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, GATED=gated,
         ZERO_PADDING=zero_padding,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 scores
-        USE_PDL=pdl.ENABLED, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.LAUNCH,
+        USE_PDL=pdl.ENABLED, CAUSAL=causal, WINDOWED=window is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.LAUNCH,
     )  # fmt: skip
     return out

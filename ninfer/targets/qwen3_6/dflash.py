@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.ops.attention import kv_write, paged_block_attention
+from ninfer.ops.attention import kv_write
 from ninfer.ops.norm import plain_rms_norm
 from ninfer.ops.rope import apply_partial_rope, rope_cos_sin
 from ninfer.targets.qwen3_6.kernels import REFERENCE, Kernels
@@ -107,7 +107,7 @@ def block(
         k, v = _key_values(layer, dims, h, cos, sin, kernels)
         kv_write(store.k_pages[i], store.v_pages[i], k, v, slot_mapping)
         sliding = dims.layer_types[i] == "sliding_attention"
-        o = paged_block_attention(
+        o = kernels.block_attention(
             q, store.k_pages[i], store.v_pages[i], block_table, context_lens, scale, causal=sliding,
             window=dims.sliding_window if sliding else None,
         )  # fmt: skip

@@ -88,6 +88,10 @@ class Kernels:
     # qkv's q columns: rows of any length, pages and lengths from the batch (a padded batch's padding
     # tokens read as zeros); the fast form is graph-capturable (no host facts)
     gated_prefill_attention: Callable[[Tensor, Tensor, Tensor, StepBatch, float, Tensor], Tensor]
+    # a DFlash drafter's (q [B*T, nH, D], k_pages, v_pages, block_table [B, maxp], context_lens [B], scale,
+    # causal=, window=) -> [B*T, nH, D]: each row's T queries are the last T of its context
+    # (`ninfer.ops.attention.paged_block_attention`); the fast form reads nothing back to the host
+    block_attention: Callable[..., Tensor]
     # (qkv [N, nH*2D + 2*nKV*D], q_norm, k_norm, cos, sin, k_pages, v_pages, slot_mapping, variant)
     # -> q [N, nH, D] normed and roped; k normed and roped, and v, written into their KV slots
     attention_prologue: Callable[
@@ -217,6 +221,7 @@ REFERENCE = Kernels(
     gdn_prefill=_gdn_prefill(gdn.gdn_prefill),
     gated_decode_attention=attention.gated_decode_attention,
     gated_prefill_attention=attention.gated_prefill_attention,
+    block_attention=attention.paged_block_attention,
     attention_prologue=_prologue(attention.attention_prologue),
     moe_block=_moe(moe.moe_mlp),
     linear=F.linear,
@@ -256,6 +261,7 @@ def fast_kernels() -> Kernels:
         gdn_prefill=_gdn_prefill(gdn_prefill),
         gated_decode_attention=attention.fast_gated_decode_attention,
         gated_prefill_attention=attention.fast_gated_prefill_attention,
+        block_attention=attention.fast_paged_block_attention,
         attention_prologue=_prologue(attention.fast_attention_prologue),
         moe_block=_moe(moe.fast_moe_mlp),
         linear=linear.fast_linear,
