@@ -16,7 +16,7 @@ import torch
 from tiny_artifacts import hf_causal_lm
 from tokenizers import Tokenizer
 
-from ninfer import EngineConfig
+from ninfer import Engine, EngineConfig, GenerationRequest, GenerationResult
 from ninfer.targets.qwen3_6.resources import RESOURCE_DIR
 
 PACKAGE_NAMES = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
@@ -120,3 +120,54 @@ def homogeneity_p(a: list, b: list) -> float:
             torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
         )
     )
+
+
+# ---- speculative decoding against plain decoding (MTP, DFlash) ----
+
+SAMPLED_PROMPT = "def main():\n    "
+
+
+def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """The requests submitted together, their results in order."""
+    handles = [engine.submit(r) for r in requests]
+    return [h.result() for h in handles]
+
+
+def assert_same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
+    """Tokens and finish reasons equal, log-probs within 1e-4."""
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    for a, b in zip(got, want):
+        if b.logprobs is not None:
+            assert a.logprobs is not None
+            worst = max((abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+            assert worst <= 1e-4, worst
+
+
+def sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
+    """Four tokens sampled (T 0.8, top-k 20) after `SAMPLED_PROMPT`, one seeded request per seed."""
+    requests = [
+        GenerationRequest(
+            prompt=SAMPLED_PROMPT, max_tokens=4, temperature=0.8, top_k=20, seed=s, ignore_eos=True
+        )
+        for s in seeds
+    ]
+    return [r.token_ids for r in run_all(engine, requests)]
+
+
+def coding_session(engine: Engine, system: str, *, cache: bool, turns: int = 4) -> list[tuple[int, ...]]:
+    """A greedy session of ``turns`` coding questions (one session id); each turn past the first reuses
+    a prefix exactly when ``cache``. The turns' tokens."""
+    messages: list[dict] = [{"role": "system", "content": system}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Write function number {turn} in Python."})
+        request = GenerationRequest(
+            messages=list(messages), max_tokens=24, temperature=0.0, session_id="s",
+            chat_template_kwargs={"enable_thinking": False},
+        )  # fmt: skip
+        result = engine.generate(request)
+        assert (result.usage.reused_prefix_tokens > 0) == (cache and turn > 0)
+        out.append(result.token_ids)
+        messages.append({"role": "assistant", "content": result.text})
+    return out

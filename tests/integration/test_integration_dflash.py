@@ -25,7 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import SYSTEM, build_engine
-from integration_helpers import homogeneity_p, random_prompts
+from integration_helpers import (
+    assert_same,
+    coding_session,
+    homogeneity_p,
+    random_prompts,
+    run_all,
+    sampled_tokens,
+)
 from tiny_artifacts import hf_causal_lm, tiny_view  # the oracle's weights
 
 from ninfer import EngineConfig, GenerationRequest, GenerationResult
@@ -41,21 +48,6 @@ dflash_model = pytest.importorskip("dflash.model")
 torch.set_num_threads(1)
 
 TINY = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
-
-
-def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    handles = [engine.submit(r) for r in requests]
-    return [h.result() for h in handles]
-
-
-def assert_same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
-    for a, b in zip(got, want):
-        if b.logprobs is not None:
-            assert a.logprobs is not None
-            worst = max((abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
-            assert worst <= 1e-4, worst
 
 
 # ---- the tiny packages' random drafters ----
@@ -252,34 +244,13 @@ def test_dflash_with_the_context_cache_gives_the_plain_tokens(demo_dflash: Path)
 
     def conversation(spec: str | None, cache: bool) -> list[tuple[int, ...]]:
         with demo_engine(demo_dflash, spec, 1, prefix_cache=cache, capture_interval=64) as engine:
-            messages = [{"role": "system", "content": SYSTEM}]
-            out = []
-            for turn in range(4):
-                messages.append({"role": "user", "content": f"Write function number {turn} in Python."})
-                request = GenerationRequest(
-                    messages=list(messages), max_tokens=24, temperature=0.0, session_id="s",
-                    chat_template_kwargs={"enable_thinking": False},
-                )  # fmt: skip
-                result = engine.generate(request)
-                assert (result.usage.reused_prefix_tokens > 0) == (cache and turn > 0)
-                out.append(result.token_ids)
-                messages.append({"role": "assistant", "content": result.text})
-            return out
+            return coding_session(engine, SYSTEM, cache=cache)
 
     plain = conversation(None, False)
     assert conversation("dflash:7", True) == conversation("dflash:7", False) == plain
 
 
 SAMPLED_RUNS = 160
-PROMPT = "def main():\n    "
-
-
-def sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
-    requests = [
-        GenerationRequest(prompt=PROMPT, max_tokens=4, temperature=0.8, top_k=20, seed=s, ignore_eos=True)
-        for s in seeds
-    ]
-    return [r.token_ids for r in run_all(engine, requests)]
 
 
 def test_sampled_dflash_is_distributed_as_plain_sampling(demo_dflash: Path) -> None:

@@ -17,7 +17,14 @@ import functools
 import pytest
 import torch
 from cache_helpers import SYSTEM, build_engine, tiny_view
-from integration_helpers import homogeneity_p, random_prompts
+from integration_helpers import (
+    assert_same,
+    coding_session,
+    homogeneity_p,
+    random_prompts,
+    run_all,
+    sampled_tokens,
+)
 
 from ninfer import EngineConfig, GenerationRequest, GenerationResult
 from ninfer.cli.common import bundled_artifact
@@ -59,21 +66,6 @@ def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object
     engine.close()
     program = Qwen36Program(old.variant, old.view, old.config, backend=MtpDraft(draft_tokens=k, layers=1))
     return Engine.from_parts(program, engine.frontend, engine.config, package_name=name)
-
-
-def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    handles = [engine.submit(r) for r in requests]
-    return [h.result() for h in handles]
-
-
-def assert_same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
-    for a, b in zip(got, want):
-        if b.logprobs is not None:
-            assert a.logprobs is not None
-            worst = max((abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
-            assert worst <= 1e-4, worst
 
 
 def _tiny_requests() -> list[GenerationRequest]:
@@ -191,19 +183,7 @@ def test_mtp_with_the_context_cache_gives_the_plain_tokens() -> None:
 
     def conversation(spec: str | None, cache: bool) -> list[tuple[int, ...]]:
         with demo_engine(spec, 1, prefix_cache=cache, capture_interval=64) as engine:
-            messages = [{"role": "system", "content": SYSTEM}]
-            out = []
-            for turn in range(4):
-                messages.append({"role": "user", "content": f"Write function number {turn} in Python."})
-                request = GenerationRequest(
-                    messages=list(messages), max_tokens=24, temperature=0.0, session_id="s",
-                    chat_template_kwargs={"enable_thinking": False},
-                )  # fmt: skip
-                result = engine.generate(request)
-                assert (result.usage.reused_prefix_tokens > 0) == (cache and turn > 0)
-                out.append(result.token_ids)
-                messages.append({"role": "assistant", "content": result.text})
-            return out
+            return coding_session(engine, SYSTEM, cache=cache)
 
     plain = conversation(None, False)
     assert conversation("mtp:3", True) == conversation("mtp:3", False) == plain
@@ -213,15 +193,6 @@ def test_mtp_with_the_context_cache_gives_the_plain_tokens() -> None:
 
 
 SAMPLED_RUNS = 160
-PROMPT = "def main():\n    "
-
-
-def _sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
-    requests = [
-        GenerationRequest(prompt=PROMPT, max_tokens=4, temperature=0.8, top_k=20, seed=s, ignore_eos=True)
-        for s in seeds
-    ]
-    return [r.token_ids for r in run_all(engine, requests)]
 
 
 class _AcceptEverything(MtpDraft):
@@ -243,13 +214,13 @@ def _demo_with(backend: MtpDraft, max_concurrency: int) -> Engine:
 @functools.cache
 def _plain_sampled() -> tuple[tuple[int, ...], ...]:
     with demo_engine(None, 8) as engine:
-        return tuple(_sampled_tokens(engine, range(SAMPLED_RUNS)))
+        return tuple(sampled_tokens(engine, range(SAMPLED_RUNS)))
 
 
 def test_sampled_mtp_is_distributed_as_plain_sampling() -> None:
     plain = _plain_sampled()
     with demo_engine("mtp:2", 8) as engine:
-        mtp = _sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
+        mtp = sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
         accepted = engine.core.program.backend.accepted  # type: ignore[attr-defined]
     assert accepted > 0
     for position in (1, 2, 3):  # the first token comes from the prefill, the same path for both
@@ -260,7 +231,7 @@ def test_sampled_mtp_is_distributed_as_plain_sampling() -> None:
 def test_a_wrong_acceptance_rule_fails_the_same_test() -> None:
     plain = _plain_sampled()
     with _demo_with(_AcceptEverything(draft_tokens=2, layers=1), 8) as engine:
-        wrong = _sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
+        wrong = sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
     worst = min(homogeneity_p([t[j] for t in plain], [t[j] for t in wrong]) for j in (1, 2, 3))
     assert worst < 1e-6, worst
 
@@ -268,8 +239,8 @@ def test_a_wrong_acceptance_rule_fails_the_same_test() -> None:
 def test_seeded_sampling_repeats_and_ignores_the_batch() -> None:
     seeds = range(7, 15)
     with demo_engine("mtp:3", 1) as engine:
-        alone = [_sampled_tokens(engine, range(s, s + 1))[0] for s in seeds]
+        alone = [sampled_tokens(engine, range(s, s + 1))[0] for s in seeds]
     with demo_engine("mtp:3", 8) as engine:
-        together = _sampled_tokens(engine, seeds)
-        again = _sampled_tokens(engine, seeds)
+        together = sampled_tokens(engine, seeds)
+        again = sampled_tokens(engine, seeds)
     assert alone == together == again
