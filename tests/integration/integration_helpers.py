@@ -144,6 +144,15 @@ def assert_same(got: list[GenerationResult], want: list[GenerationResult]) -> No
             assert worst <= 1e-4, worst
 
 
+def greedy_requests() -> list[GenerationRequest]:
+    """Eight greedy requests with log-probs: random prompts of 1-64 tokens, 4-25 tokens each."""
+    prompts = random_prompts([1, 5, 17, 33, 48, 9, 64, 2], seed=11)
+    return [
+        GenerationRequest(prompt=p, max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=True)
+        for i, p in enumerate(prompts)
+    ]
+
+
 def sampled_tokens(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
     """Four tokens sampled (T 0.8, top-k 20) after `SAMPLED_PROMPT`, one seeded request per seed."""
     requests = [

@@ -28,8 +28,8 @@ from cache_helpers import SYSTEM, build_engine
 from integration_helpers import (
     assert_same,
     coding_session,
+    greedy_requests,
     homogeneity_p,
-    random_prompts,
     run_all,
     sampled_tokens,
 )
@@ -74,18 +74,10 @@ def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object
     )  # type: ignore[arg-type]
 
 
-def tiny_requests() -> list[GenerationRequest]:
-    prompts = random_prompts([1, 5, 17, 33, 48, 9, 64, 2], seed=11)
-    return [
-        GenerationRequest(prompt=p, max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=True)
-        for i, p in enumerate(prompts)
-    ]
-
-
 @functools.cache
 def plain_alone(name: str) -> tuple[GenerationResult, ...]:
     with tiny_engine(name, None, 1) as engine:
-        return tuple(engine.generate(r) for r in tiny_requests())
+        return tuple(engine.generate(r) for r in greedy_requests())
 
 
 @functools.cache
@@ -125,12 +117,12 @@ def reference_logits(name: str, sequence: list[int], frontier: int, k: int) -> t
 @pytest.mark.parametrize(("k", "mc"), [(1, 8), (4, 1), (15, 3)])
 def test_drafts_equal_the_reference_and_output_is_plain(name: str, k: int, mc: int) -> None:
     with tiny_engine(name, k, mc) as engine:
-        got = run_all(engine, tiny_requests())
+        got = run_all(engine, greedy_requests())
         backend = engine.core.program.backend
     want = list(plain_alone(name))
     assert_same(got, want)
     assert isinstance(backend, RecordingDraft) and backend.rounds
-    sequences = {tuple(r.prompt): list(r.prompt) + list(w.token_ids) for r, w in zip(tiny_requests(), want)}
+    sequences = {tuple(r.prompt): list(r.prompt) + list(w.token_ids) for r, w in zip(greedy_requests(), want)}
     checked = 0
     for prompt, frontier, drafts in backend.rounds[:: max(1, len(backend.rounds) // 24)]:
         logits = reference_logits(name, sequences[prompt], frontier, k)

@@ -20,8 +20,8 @@ from cache_helpers import SYSTEM, build_engine, tiny_view
 from integration_helpers import (
     assert_same,
     coding_session,
+    greedy_requests,
     homogeneity_p,
-    random_prompts,
     run_all,
     sampled_tokens,
 )
@@ -68,18 +68,10 @@ def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object
     return Engine.from_parts(program, engine.frontend, engine.config, package_name=name)
 
 
-def _tiny_requests() -> list[GenerationRequest]:
-    prompts = random_prompts([1, 5, 17, 33, 48, 9, 64, 2], seed=11)
-    return [
-        GenerationRequest(prompt=p, max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=True)
-        for i, p in enumerate(prompts)
-    ]
-
-
 @functools.cache
 def _plain_alone(name: str) -> tuple[GenerationResult, ...]:
     with tiny_engine(name, None, 1) as engine:
-        return tuple(engine.generate(r) for r in _tiny_requests())
+        return tuple(engine.generate(r) for r in greedy_requests())
 
 
 @pytest.mark.parametrize("name", ["qwen3_6_tiny", "qwen3_6_tiny_moe"])
@@ -88,7 +80,7 @@ def test_random_heads_are_lossless(name: str, k: int, mc: int) -> None:
     """Random MTP weights reject nearly every draft: the output is plain decoding's all the same, with
     rows of different lengths joining and leaving the rounds."""
     with tiny_engine(name, k, mc) as engine:
-        got = run_all(engine, _tiny_requests())
+        got = run_all(engine, greedy_requests())
         backend = engine.core.program.backend
     assert_same(got, list(_plain_alone(name)))
     assert isinstance(backend, MtpDraft) and backend.drafted > 0
