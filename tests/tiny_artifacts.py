@@ -15,7 +15,7 @@ import torch
 from ninfer_tools.synthetic_artifact import frontend_resources
 
 from ninfer.artifact import ArtifactWriter, TensorSpec
-from ninfer.targets.qwen3_6.binder import hf_state_dict, random_model_view
+from ninfer.targets.qwen3_6.binder import dflash_state_dict, hf_state_dict, random_model_view
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.qwen3_6.weights import weight_schema
 from ninfer.targets.registry import PACKAGES
@@ -82,4 +82,19 @@ def hf_causal_lm(package_name: str, attention: str = "eager") -> torch.nn.Module
     config._attn_implementation = attention
     model = cls(config).float().eval()
     model.load_state_dict(hf_state_dict(tiny_view(package_name), text_only=True), strict=True)
+    return model
+
+
+def reference_drafter(view: ModelView) -> torch.nn.Module:
+    """z-lab's `DFlashDraftModel` (`dflash==0.1.0`, the DFlash oracle; its test modules importorskip it)
+    holding ``view``'s drafter weights, fp32, SDPA attention."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    dims = view.variant.dflash
+    assert dims is not None
+    config = Qwen3Config(**dims.hf_config(view.variant))
+    config._attn_implementation = "sdpa"
+    model = DFlashDraftModel(config).float().eval()
+    model.load_state_dict(dflash_state_dict(view), strict=True)
     return model

@@ -125,6 +125,54 @@ def homogeneity_p(a: list, b: list) -> float:
 # ---- speculative decoding against plain decoding (MTP, DFlash) ----
 
 SAMPLED_PROMPT = "def main():\n    "
+# prompts the demo model continues with code (its draft heads accept much of it)
+DEMO_TEXTS = (
+    "def fibonacci(n):\n    ",
+    "import numpy as np\nimport",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "for i in range(10):\n    print(",
+    "# Read a file line by line\nwith open(path) as f:\n",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+    "x = [1, 2, 3]\ny = [",
+    "The quick brown fox",
+)
+
+
+def demo_engine(artifact: Path | str, spec: str | None, max_concurrency: int = 1, **fields: object) -> Engine:
+    """A CPU fp32 Engine on a demo artifact, decoding with ``spec`` (None: plain), the cache off unless
+    ``fields`` say otherwise."""
+    settings: dict[str, object] = {"prefix_cache": False, **fields}
+    config = EngineConfig(
+        device="cpu", dtype="float32", speculative=spec, warmup=False, max_concurrency=max_concurrency,
+        max_context=512, queue_capacity=512, **settings,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return Engine(str(artifact), config)
+
+
+def demo_request(text: str, max_tokens: int, **fields: object) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=0.0, logprobs=True, **fields)  # type: ignore[arg-type]
+
+
+def ending_requests(plain: Sequence[GenerationResult]) -> list[GenerationRequest]:
+    """`DEMO_TEXTS` ending where their plain runs ``plain`` (40 tokens each) would end them inside a
+    draft: by a stop token, a stop string or max_tokens in turn; then a thinking chat whose budget forces
+    its control."""
+    requests = []
+    for i, (text, ref) in enumerate(zip(DEMO_TEXTS, plain)):
+        cut = 5 + i % 7
+        if i % 3 == 0:
+            requests.append(demo_request(text, 40, stop_token_ids=[ref.token_ids[cut]]))
+        elif i % 3 == 1:
+            requests.append(
+                demo_request(text, 40, stop=[ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]])
+            )
+        else:
+            requests.append(demo_request(text, cut))
+    chat = GenerationRequest(
+        messages=[{"role": "user", "content": "Write a loop in Python."}], max_tokens=30, temperature=0.0,
+        thinking_budget=4, chat_template_kwargs={"enable_thinking": True},
+    )  # fmt: skip
+    return [*requests, chat]
 
 
 def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationResult]:

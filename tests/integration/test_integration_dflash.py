@@ -26,25 +26,28 @@ import pytest
 import torch
 from cache_helpers import SYSTEM, build_engine
 from integration_helpers import (
+    DEMO_TEXTS,
     assert_same,
     coding_session,
+    demo_engine,
+    demo_request,
+    ending_requests,
     greedy_requests,
     homogeneity_p,
     run_all,
     sampled_tokens,
 )
-from tiny_artifacts import hf_causal_lm, tiny_view  # the oracle's weights
+from tiny_artifacts import hf_causal_lm, reference_drafter, tiny_view  # the oracles and their weights
 
-from ninfer import EngineConfig, GenerationRequest, GenerationResult
+from ninfer import EngineConfig, GenerationResult
 from ninfer.cli.common import bundled_artifact
 from ninfer.runtime.engine.engine import Engine
-from ninfer.targets.qwen3_6.binder import dflash_state_dict
 from ninfer.targets.qwen3_6.impl.runtime.backends.dflash import DFlashDraft
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
 from ninfer.targets.qwen3_6.view import ModelView
 from ninfer.targets.registry import PACKAGES
 
-dflash_model = pytest.importorskip("dflash.model")
+pytest.importorskip("dflash.model")  # the oracle (`tiny_artifacts.reference_drafter`)
 torch.set_num_threads(1)
 
 TINY = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
@@ -81,17 +84,8 @@ def plain_alone(name: str) -> tuple[GenerationResult, ...]:
 
 
 @functools.cache
-def reference_drafter(name: str) -> torch.nn.Module:
-    from transformers import Qwen3Config
-
-    view = tiny_view(name, drafter=True)
-    dims = view.variant.dflash
-    assert dims is not None
-    config = Qwen3Config(**dims.hf_config(view.variant))
-    config._attn_implementation = "sdpa"
-    model = dflash_model.DFlashDraftModel(config).float().eval()
-    model.load_state_dict(dflash_state_dict(view), strict=True)
-    return model
+def drafter_oracle(name: str) -> torch.nn.Module:
+    return reference_drafter(tiny_view(name, drafter=True))
 
 
 def reference_logits(name: str, sequence: list[int], frontier: int, k: int) -> torch.Tensor:
@@ -107,7 +101,7 @@ def reference_logits(name: str, sequence: list[int], frontier: int, k: int) -> t
         taps = torch.cat([hidden[i + 1] for i in dims.target_layer_ids], dim=-1)
         block = torch.tensor([[sequence[frontier]] + [dims.mask_token_id] * k])
         noise = torch.nn.functional.embedding(block, view.text.embed)
-        out = reference_drafter(name)(
+        out = drafter_oracle(name)(
             target_hidden=taps, noise_embedding=noise, position_ids=torch.arange(frontier + k + 1)[None]
         )
         return out[0, 1:] @ view.text.lm_head.T
@@ -158,31 +152,6 @@ def demo_dflash(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_artifact(view, tmp_path_factory.mktemp("dflash") / "demo_dflash.ninfer", "fp32")
 
 
-DEMO_TEXTS = (
-    "def fibonacci(n):\n    ",
-    "import numpy as np\nimport",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-    "for i in range(10):\n    print(",
-    "# Read a file line by line\nwith open(path) as f:\n",
-    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
-    "x = [1, 2, 3]\ny = [",
-    "The quick brown fox",
-)
-
-
-def demo_engine(artifact: Path, spec: str | None, max_concurrency: int = 1, **fields: object) -> Engine:
-    settings: dict[str, object] = {"prefix_cache": False, **fields}
-    config = EngineConfig(
-        device="cpu", dtype="float32", speculative=spec, warmup=False, max_concurrency=max_concurrency,
-        max_context=512, queue_capacity=512, **settings,  # type: ignore[arg-type]
-    )  # fmt: skip
-    return Engine(str(artifact), config)
-
-
-def demo_request(text: str, max_tokens: int, **fields: object) -> GenerationRequest:
-    return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=0.0, logprobs=True, **fields)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(("k", "mc"), [(7, 4), (15, 2), (3, 8)])
 def test_the_trained_drafter_accepts_and_stays_lossless(demo_dflash: Path, k: int, mc: int) -> None:
     with demo_engine(demo_dflash, None, 8) as engine:
@@ -201,26 +170,7 @@ def test_the_trained_drafter_accepts_and_stays_lossless(demo_dflash: Path, k: in
 def test_rows_ending_inside_a_draft(demo_dflash: Path) -> None:
     with demo_engine(demo_dflash, None) as engine:
         plain = [engine.generate(demo_request(t, 40)) for t in DEMO_TEXTS]
-    requests = []
-    for i, (text, ref) in enumerate(zip(DEMO_TEXTS, plain)):
-        cut = 5 + i % 7
-        if i % 3 == 0:
-            requests.append(demo_request(text, 40, stop_token_ids=[ref.token_ids[cut]]))
-        elif i % 3 == 1:
-            requests.append(
-                demo_request(text, 40, stop=[ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]])
-            )
-        else:
-            requests.append(demo_request(text, cut))
-    requests.append(
-        GenerationRequest(
-            messages=[{"role": "user", "content": "Write a loop in Python."}],
-            max_tokens=30,
-            temperature=0.0,
-            thinking_budget=4,
-            chat_template_kwargs={"enable_thinking": True},
-        )  # fmt: skip
-    )
+    requests = ending_requests(plain)
     with demo_engine(demo_dflash, None) as engine:
         want = [engine.generate(r) for r in requests]
     for k in (4, 15):

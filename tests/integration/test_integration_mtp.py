@@ -18,15 +18,19 @@ import pytest
 import torch
 from cache_helpers import SYSTEM, build_engine, tiny_view
 from integration_helpers import (
+    DEMO_TEXTS,
     assert_same,
     coding_session,
+    demo_engine,
+    demo_request,
+    ending_requests,
     greedy_requests,
     homogeneity_p,
     run_all,
     sampled_tokens,
 )
 
-from ninfer import EngineConfig, GenerationRequest, GenerationResult
+from ninfer import EngineConfig, GenerationResult
 from ninfer.cli.common import bundled_artifact
 from ninfer.runtime.engine.engine import Engine
 from ninfer.targets.qwen3_6.impl.runtime.backends.mtp import MtpDraft
@@ -34,25 +38,10 @@ from ninfer.targets.qwen3_6.impl.runtime.program import Qwen36Program
 
 torch.set_num_threads(1)
 
-DEMO_TEXTS = (
-    "def fibonacci(n):\n    ",
-    "import numpy as np\nimport",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-    "for i in range(10):\n    print(",
-    "# Read a file line by line\nwith open(path) as f:\n",
-    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
-    "x = [1, 2, 3]\ny = [",
-    "The quick brown fox",
-)
 
-
-def demo_engine(spec: str | None, max_concurrency: int = 1, **fields: object) -> Engine:
-    settings: dict[str, object] = {"prefix_cache": False, **fields}
-    config = EngineConfig(
-        device="cpu", dtype="float32", speculative=spec, warmup=False, max_concurrency=max_concurrency,
-        max_context=512, queue_capacity=512, **settings,  # type: ignore[arg-type]
-    )  # fmt: skip
-    return Engine(bundled_artifact(), config)
+def mtp_demo(spec: str | None, max_concurrency: int = 1, **fields: object) -> Engine:
+    """`demo_engine` on the bundled demo artifact (its MTP head)."""
+    return demo_engine(bundled_artifact(), spec, max_concurrency, **fields)
 
 
 def tiny_engine(name: str, k: int | None, max_concurrency: int, **fields: object) -> Engine:
@@ -88,18 +77,14 @@ def test_random_heads_are_lossless(name: str, k: int, mc: int) -> None:
 
 @functools.cache
 def _demo_plain(max_tokens: int) -> tuple[GenerationResult, ...]:
-    with demo_engine(None) as engine:
-        return tuple(engine.generate(_demo_request(t, max_tokens)) for t in DEMO_TEXTS)
-
-
-def _demo_request(text: str, max_tokens: int, **fields: object) -> GenerationRequest:
-    return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=0.0, logprobs=True, **fields)  # type: ignore[arg-type]
+    with mtp_demo(None) as engine:
+        return tuple(engine.generate(demo_request(t, max_tokens)) for t in DEMO_TEXTS)
 
 
 @pytest.mark.parametrize(("k", "mc"), [(1, 1), (2, 8), (3, 4), (4, 2)])
 def test_the_demo_head_accepts_and_stays_lossless(k: int, mc: int) -> None:
-    with demo_engine(f"mtp:{k}", mc) as engine:
-        got = run_all(engine, [_demo_request(t, 40) for t in DEMO_TEXTS])
+    with mtp_demo(f"mtp:{k}", mc) as engine:
+        got = run_all(engine, [demo_request(t, 40) for t in DEMO_TEXTS])
         backend = engine.core.program.backend
     assert_same(got, list(_demo_plain(40)))
     assert isinstance(backend, MtpDraft)
@@ -121,12 +106,12 @@ def test_a_shortlist_draft_head_stays_lossless(draft_vocab: int) -> None:
     the verify scores them all, so the tokens are plain decoding's whatever the shortlist, and a draft
     is never outside it."""
     proposed: list[int] = []
-    with demo_engine("mtp:3", 4, draft_vocab=draft_vocab) as engine:
+    with mtp_demo("mtp:3", 4, draft_vocab=draft_vocab) as engine:
         backend = engine.core.program.backend
         assert isinstance(backend, MtpDraft)
         drafts = backend.drafts
         backend.drafts = lambda seq: proposed.extend(d := drafts(seq)) or d  # type: ignore[method-assign]
-        got = run_all(engine, [_demo_request(t, 40) for t in DEMO_TEXTS])
+        got = run_all(engine, [demo_request(t, 40) for t in DEMO_TEXTS])
     assert_same(got, list(_demo_plain(40)))
     assert proposed and max(proposed) < draft_vocab
     if draft_vocab == 2048:  # most of the demo text's tokens are among its first 2,048 ids
@@ -144,26 +129,11 @@ def test_rows_ending_inside_a_draft() -> None:
     """A stop token, a stop string and max_tokens that fall inside an accepted draft end the row where
     plain decoding ends it; so does the budget's forced control of a thinking chat."""
     plain = _demo_plain(40)
-    requests = []
-    for i, (text, ref) in enumerate(zip(DEMO_TEXTS, plain)):
-        cut = 5 + i % 7
-        if i % 3 == 0:
-            requests.append(_demo_request(text, 40, stop_token_ids=[ref.token_ids[cut]]))
-        elif i % 3 == 1:
-            requests.append(
-                _demo_request(text, 40, stop=[ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]])
-            )
-        else:
-            requests.append(_demo_request(text, cut))
-    chat = GenerationRequest(
-        messages=[{"role": "user", "content": "Write a loop in Python."}], max_tokens=30, temperature=0.0,
-        thinking_budget=4, chat_template_kwargs={"enable_thinking": True},
-    )  # fmt: skip
-    requests.append(chat)
-    with demo_engine(None) as engine:
+    requests = ending_requests(plain)
+    with mtp_demo(None) as engine:
         want = [engine.generate(r) for r in requests]
     for k in (2, 4):
-        with demo_engine(f"mtp:{k}", 4) as engine:
+        with mtp_demo(f"mtp:{k}", 4) as engine:
             got = run_all(engine, requests)
         assert_same(got, want)
     assert {r.finish_reason for r in want} >= {"stop", "length"}
@@ -174,7 +144,7 @@ def test_mtp_with_the_context_cache_gives_the_plain_tokens() -> None:
     tokens of MTP without the cache and of plain decoding."""
 
     def conversation(spec: str | None, cache: bool) -> list[tuple[int, ...]]:
-        with demo_engine(spec, 1, prefix_cache=cache, capture_interval=64) as engine:
+        with mtp_demo(spec, 1, prefix_cache=cache, capture_interval=64) as engine:
             return coding_session(engine, SYSTEM, cache=cache)
 
     plain = conversation(None, False)
@@ -195,7 +165,7 @@ class _AcceptEverything(MtpDraft):
 
 
 def _demo_with(backend: MtpDraft, max_concurrency: int) -> Engine:
-    engine = demo_engine(f"mtp:{backend.draft_tokens}", max_concurrency)  # the MTP weights loaded
+    engine = mtp_demo(f"mtp:{backend.draft_tokens}", max_concurrency)  # the MTP weights loaded
     old = engine.core.program
     assert isinstance(old, Qwen36Program)
     engine.close()
@@ -205,13 +175,13 @@ def _demo_with(backend: MtpDraft, max_concurrency: int) -> Engine:
 
 @functools.cache
 def _plain_sampled() -> tuple[tuple[int, ...], ...]:
-    with demo_engine(None, 8) as engine:
+    with mtp_demo(None, 8) as engine:
         return tuple(sampled_tokens(engine, range(SAMPLED_RUNS)))
 
 
 def test_sampled_mtp_is_distributed_as_plain_sampling() -> None:
     plain = _plain_sampled()
-    with demo_engine("mtp:2", 8) as engine:
+    with mtp_demo("mtp:2", 8) as engine:
         mtp = sampled_tokens(engine, range(SAMPLED_RUNS, 2 * SAMPLED_RUNS))
         accepted = engine.core.program.backend.accepted  # type: ignore[attr-defined]
     assert accepted > 0
@@ -230,9 +200,9 @@ def test_a_wrong_acceptance_rule_fails_the_same_test() -> None:
 
 def test_seeded_sampling_repeats_and_ignores_the_batch() -> None:
     seeds = range(7, 15)
-    with demo_engine("mtp:3", 1) as engine:
+    with mtp_demo("mtp:3", 1) as engine:
         alone = [sampled_tokens(engine, range(s, s + 1))[0] for s in seeds]
-    with demo_engine("mtp:3", 8) as engine:
+    with mtp_demo("mtp:3", 8) as engine:
         together = sampled_tokens(engine, seeds)
         again = sampled_tokens(engine, seeds)
     assert alone == together == again

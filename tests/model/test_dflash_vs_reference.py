@@ -15,28 +15,15 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_artifacts import hf_causal_lm, tiny_view
+from tiny_artifacts import hf_causal_lm, reference_drafter, tiny_view
 
 from ninfer.targets.qwen3_6 import dflash
-from ninfer.targets.qwen3_6.binder import dflash_state_dict
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, forward
 from ninfer.targets.qwen3_6.view import ModelView
 
-model_mod = pytest.importorskip("dflash.model")
+pytest.importorskip("dflash.model")  # the oracle (`tiny_artifacts.reference_drafter`)
 
 PACKAGES_WITH_DRAFTERS = ("qwen3_6_tiny", "qwen3_6_tiny_moe")
-
-
-def reference_drafter(view: ModelView) -> torch.nn.Module:
-    from transformers import Qwen3Config
-
-    dims = view.variant.dflash
-    assert dims is not None
-    config = Qwen3Config(**dims.hf_config(view.variant))
-    config._attn_implementation = "sdpa"
-    model = model_mod.DFlashDraftModel(config).float().eval()
-    model.load_state_dict(dflash_state_dict(view), strict=True)
-    return model
 
 
 def ours(view: ModelView, taps: torch.Tensor, block_ids: torch.Tensor, page_size: int) -> torch.Tensor:

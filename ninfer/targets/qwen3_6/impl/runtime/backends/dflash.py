@@ -23,32 +23,21 @@ keeps the output the target's, greedy or sampled, whatever the drafts are.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from ninfer.runtime.contract.types import ProgramInvariantError, SequenceHandle
+from ninfer.runtime.contract.types import ProgramInvariantError
 from ninfer.targets.qwen3_6 import dflash
-from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
+from ninfer.targets.qwen3_6.impl.runtime.backends.verify import QueuedDraftRound, QueuedDrafts
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import host_copy, pinned_ids
+from ninfer.targets.qwen3_6.impl.runtime.step import pinned_ids
 from ninfer.targets.qwen3_6.model import StateStore
 from ninfer.targets.qwen3_6.variant import DFlashDims
 
 
-@dataclass(eq=False)
-class _Drafts:
-    """A row's drafts for the round at ``frontier``, on their way to the host."""
-
-    handle: SequenceHandle
-    frontier: int  # the committed frontier the drafts follow (-1 until a verify's acceptance is read)
-    host: torch.Tensor  # [K]
-    done: torch.cuda.Event | None
-
-
-class DFlashDraft(VerifyRound):
+class DFlashDraft(QueuedDraftRound):
     name = "dflash"
     observes_steps = True
 
@@ -64,7 +53,6 @@ class DFlashDraft(VerifyRound):
         self.dims = dims
         self._head_rows = head_rows
         self._head: torch.Tensor | None = None
-        self._pending: dict[int, _Drafts] = {}  # sequence index -> its next round's drafts
 
     @property
     def kv_layers(self) -> int:
@@ -97,21 +85,13 @@ class DFlashDraft(VerifyRound):
         self._head = executor.view.text.lm_head[: self._head_rows]
 
     # ---- drafting ----
-    def drafts(self, seq: SequenceState) -> list[int]:
-        pending = self._pending.get(seq.handle.index)
-        if pending is None or pending.handle != seq.handle:
-            raise ProgramInvariantError(f"{seq.handle} has no DFlash drafts")
-        if pending.frontier != seq.frontier:
-            # the row committed a prefix of its round (a decode budget the Frontend capped): its context
-            # K/V up to the frontier are the verify's; draft again from its pending token
-            if not 0 <= seq.frontier < pending.frontier:
-                raise ProgramInvariantError(f"{seq.handle} has no DFlash drafts for frontier {seq.frontier}")
-            assert seq.pending_input is not None
-            self._draft_from([seq], self._ids([seq.pending_input]), [seq.frontier])
-            pending = self._pending[seq.handle.index]
-        if pending.done is not None:
-            pending.done.synchronize()
-        return [int(t) for t in pending.host.tolist()]
+    def _redraft(self, seq: SequenceState, pending: QueuedDrafts) -> None:
+        # the row committed a prefix of its round: its context K/V up to the frontier are the verify's;
+        # draft again from its pending token
+        if not 0 <= seq.frontier < pending.frontier:
+            raise ProgramInvariantError(f"{seq.handle} has no DFlash drafts for frontier {seq.frontier}")
+        assert seq.pending_input is not None
+        self._draft_from([seq], self._ids([seq.pending_input]), [seq.frontier])
 
     def observe(
         self, seqs: Sequence[SequenceState], run: StepRun, following: torch.Tensor, *, drafts: bool
@@ -145,14 +125,6 @@ class DFlashDraft(VerifyRound):
         )
         proposed = self._block(anchors, frontiers + accepted + 1, f.sequence_index.long())
         self._queue(seqs, proposed, None)
-
-    def after_read(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
-        for seq, a in zip(seqs, accepted):  # the drafts follow the row's whole round
-            self._pending[seq.handle.index].frontier = seq.frontier + a + 1
-
-    def drop(self, handle: SequenceHandle | None = None) -> None:
-        if handle is not None:
-            self._pending.pop(handle.index, None)
 
     # ---- the drafter ----
     def _write_context(self, run: StepRun, positions: torch.Tensor) -> None:
@@ -196,12 +168,3 @@ class DFlashDraft(VerifyRound):
     def _ids(self, values: list[int]) -> torch.Tensor:
         assert self._executor is not None
         return pinned_ids(values, self._executor.steps.device)
-
-    def _queue(
-        self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
-    ) -> None:
-        """Queue the drafts' host copy behind the work that computes them."""
-        host, done = host_copy(proposed)
-        for i, seq in enumerate(seqs):
-            frontier = frontiers[i] if frontiers is not None else -1
-            self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)

@@ -34,28 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.runtime.contract.types import ProgramInvariantError, SequenceHandle
-from ninfer.targets.qwen3_6.impl.runtime.backends.verify import VerifyRound
+from ninfer.runtime.contract.types import ProgramInvariantError
+from ninfer.targets.qwen3_6.impl.runtime.backends.verify import QueuedDraftRound, QueuedDrafts
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
-from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder, host_copy, pinned_ids
+from ninfer.targets.qwen3_6.impl.runtime.step import PackedStep, StepBuilder, pinned_ids
 from ninfer.targets.qwen3_6.model import StateStore, StepBatch, mtp_forward
-
-
-@dataclass(eq=False)
-class _Drafts:
-    """A row's drafts for the round at ``frontier``, on their way to the host."""
-
-    handle: SequenceHandle
-    frontier: int  # the committed frontier the drafts follow (the row accepts all it produced)
-    host: torch.Tensor  # [K]
-    done: torch.cuda.Event | None
-    # after a verify: the frontier before it and the MTP's output at each of its positions, to draft
-    # again from an earlier one when the row commits fewer than it could have (a decode budget the
-    # Frontend capped: `VerifyRound` produced less than the drafts assumed)
-    base: int | None = None
-    outputs: torch.Tensor | None = None  # [K + 1, H]
 
 
 @dataclass(eq=False)
@@ -70,7 +55,7 @@ class _RoundGraph:
     proposed: torch.Tensor | None = None  # [B, K] the next round's drafts
 
 
-class MtpDraft(VerifyRound):
+class MtpDraft(QueuedDraftRound):
     name = "mtp"
     observes_steps = True
 
@@ -81,7 +66,6 @@ class MtpDraft(VerifyRound):
         self._layers = layers
         self._head_rows = head_rows
         self._head: torch.Tensor | None = None  # lm_head's first head_rows rows (a view, no copy)
-        self._pending: dict[int, _Drafts] = {}  # sequence index -> its next round's drafts
         self._outputs: torch.Tensor | None = None  # [S, K + 1, H]: each sequence's last round's MTP outputs
         self._graphs: dict[int, _RoundGraph] = {}  # B -> the captured round
         self.graph_replays = 0  # rounds whose MTP work ran as a graph (observability; tests read it)
@@ -138,28 +122,18 @@ class MtpDraft(VerifyRound):
         return 2 * self.draft_tokens
 
     # ---- drafting ----
-    def drafts(self, seq: SequenceState) -> list[int]:
-        pending = self._pending.get(seq.handle.index)
-        if pending is None or pending.handle != seq.handle:
-            raise ProgramInvariantError(f"{seq.handle} has no MTP drafts")
-        if pending.frontier != seq.frontier:
-            if (
-                pending.base is None
-                or pending.outputs is None
-                or not pending.base < seq.frontier < pending.frontier
-            ):
-                raise ProgramInvariantError(f"{seq.handle} has no MTP drafts for frontier {seq.frontier}")
-            # the row committed a prefix of its round: draft again from its last committed position
-            last = seq.frontier - 1
-            at = pinned_ids([last], pending.outputs.device)
-            self._chain(
-                [seq], pending.outputs[last - pending.base : last - pending.base + 1].clone(), at,
-                [seq.frontier],
-            )  # fmt: skip
-            pending = self._pending[seq.handle.index]
-        if pending.done is not None:
-            pending.done.synchronize()
-        return [int(t) for t in pending.host.tolist()]
+    def _redraft(self, seq: SequenceState, pending: QueuedDrafts) -> None:
+        # the row committed a prefix of its round: draft again from its last committed position, from
+        # the MTP's output there in the round's (`_outputs`, position `base` on)
+        if pending.base is None or not pending.base < seq.frontier < pending.frontier:
+            raise ProgramInvariantError(f"{seq.handle} has no MTP drafts for frontier {seq.frontier}")
+        assert self._outputs is not None
+        outputs = self._outputs[seq.handle.index]
+        last = seq.frontier - 1
+        at = pinned_ids([last], outputs.device)
+        self._chain(
+            [seq], outputs[last - pending.base : last - pending.base + 1].clone(), at, [seq.frontier]
+        )  # fmt: skip
 
     def observe(
         self, seqs: Sequence[SequenceState], run: StepRun, following: torch.Tensor, *, drafts: bool
@@ -191,8 +165,7 @@ class MtpDraft(VerifyRound):
         # the frontier the drafts follow is known once the acceptance is read back (`after_read`)
         self._queue(seqs, proposed, None)
         for seq in seqs:
-            pending = self._pending[seq.handle.index]
-            pending.base, pending.outputs = seq.frontier, self._outputs[seq.handle.index]
+            self._pending[seq.handle.index].base = seq.frontier
 
     def _round(
         self, step: PackedStep, drawn: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor
@@ -214,10 +187,6 @@ class MtpDraft(VerifyRound):
         last = torch.arange(step.num_rows, device=out.device) * t + accepted
         delta = f.positions.view(step.num_rows, t)[:, 0] - frontiers
         return self._propose(out.index_select(0, last), frontiers + accepted, index, delta)
-
-    def after_read(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
-        for seq, a in zip(seqs, accepted):  # the drafts follow the row's whole round
-            self._pending[seq.handle.index].frontier = seq.frontier + a + 1
 
     def _mtp(self, following: torch.Tensor, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         executor = self._executor
@@ -261,15 +230,6 @@ class MtpDraft(VerifyRound):
             drafts.append(kernels.argmax(kernels.logits(out, lm_head), None))
         return torch.stack(drafts, dim=1)
 
-    def _queue(
-        self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
-    ) -> None:
-        """Queue the drafts' host copy behind the work that computes them."""
-        host, done = host_copy(proposed)
-        for i, seq in enumerate(seqs):
-            frontier = frontiers[i] if frontiers is not None else -1
-            self._pending[seq.handle.index] = _Drafts(seq.handle, frontier, host[i], done)
-
     def _chain_step(
         self, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, delta: torch.Tensor
     ) -> StepBatch:
@@ -296,10 +256,6 @@ class MtpDraft(VerifyRound):
             fresh=torch.zeros(rows, dtype=torch.bool, device=device),
             tokens_per_row=1,
         )
-
-    def drop(self, handle: SequenceHandle | None = None) -> None:
-        if handle is not None:
-            self._pending.pop(handle.index, None)
 
 
 def _row_lengths(batch: StepBatch) -> list[int]:

@@ -11,20 +11,29 @@ target's whatever the drafts are; only the accepted length depends on them.
 
 Subclasses add what their drafter needs: `after_verify` runs on the device between the verify and the
 read back (a drafter conditions on the verify's hidden states and proposes the next round there).
+`QueuedDraftRound` keeps such device-made drafts per row until the next round reads them (MTP, DFlash).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ninfer.runtime.contract.constraint import RowConstraint
-from ninfer.runtime.contract.types import PendingRow, RowDecision, SequenceHandle, TokenLogprob
+from ninfer.runtime.contract.types import (
+    PendingRow,
+    ProgramInvariantError,
+    RowDecision,
+    SequenceHandle,
+    TokenLogprob,
+)
 from ninfer.targets.qwen3_6.impl.runtime.backends import RowCommit
 from ninfer.targets.qwen3_6.impl.runtime.draws import QueuedVerify, Sampler, StepRun, _finite_top
 from ninfer.targets.qwen3_6.impl.runtime.executor import StepExecutor
 from ninfer.targets.qwen3_6.impl.runtime.sequence import SequenceState
+from ninfer.targets.qwen3_6.impl.runtime.step import host_copy
 from ninfer.targets.qwen3_6.model import StateStore
 
 
@@ -147,3 +156,59 @@ class VerifyRound:
 
     def drop(self, handle: SequenceHandle | None = None) -> None:
         pass  # nothing is queued past a unit
+
+
+@dataclass(eq=False)
+class QueuedDrafts:
+    """A row's drafts for the round at ``frontier``, on their way to the host."""
+
+    handle: SequenceHandle
+    frontier: int  # the committed frontier the drafts follow (-1 until a verify's acceptance is read)
+    host: torch.Tensor  # [K]
+    done: torch.cuda.Event | None
+    base: int | None = None  # after a verify: the frontier before it (a redraft from its outputs)
+
+
+class QueuedDraftRound(VerifyRound):
+    """A verify round whose drafter proposes on the device, after every prefill, forced span and verify:
+    each row's next drafts are queued to the host behind the work that computes them (`_queue`) and read
+    when its next round is built. A row that committed less of its round than the drafts assumed (a
+    decode budget the Frontend capped) is drafted again from its frontier (`_redraft`)."""
+
+    def __init__(self, *, draft_tokens: int) -> None:
+        super().__init__(draft_tokens=draft_tokens)
+        self._pending: dict[int, QueuedDrafts] = {}  # sequence index -> its next round's drafts
+
+    def _redraft(self, seq: SequenceState, pending: QueuedDrafts) -> None:
+        """Queue drafts for ``seq`` at its frontier, which ``pending``'s do not follow; raise
+        ProgramInvariantError where that frontier cannot be."""
+        raise NotImplementedError
+
+    def drafts(self, seq: SequenceState) -> list[int]:
+        pending = self._pending.get(seq.handle.index)
+        if pending is None or pending.handle != seq.handle:
+            raise ProgramInvariantError(f"{seq.handle} has no {self.name} drafts")
+        if pending.frontier != seq.frontier:
+            self._redraft(seq, pending)
+            pending = self._pending[seq.handle.index]
+        if pending.done is not None:
+            pending.done.synchronize()
+        return [int(t) for t in pending.host.tolist()]
+
+    def after_read(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
+        for seq, a in zip(seqs, accepted):  # the drafts follow the row's whole round
+            self._pending[seq.handle.index].frontier = seq.frontier + a + 1
+
+    def drop(self, handle: SequenceHandle | None = None) -> None:
+        if handle is not None:
+            self._pending.pop(handle.index, None)
+
+    def _queue(
+        self, seqs: Sequence[SequenceState], proposed: torch.Tensor, frontiers: Sequence[int] | None
+    ) -> None:
+        """Queue the drafts' host copy [B, K] behind the work that computes them; ``frontiers``: the
+        frontiers they follow (None: a verify's, known once its acceptance is read, `after_read`)."""
+        host, done = host_copy(proposed)
+        for i, seq in enumerate(seqs):
+            frontier = frontiers[i] if frontiers is not None else -1
+            self._pending[seq.handle.index] = QueuedDrafts(seq.handle, frontier, host[i], done)
